@@ -1,0 +1,1 @@
+"""magis: fit PyTorch training in less memory (MAGIS, ASPLOS'24)."""

@@ -1,0 +1,104 @@
+"""Measure the true peak of live tensor bytes while a training step runs.
+
+On CUDA the caching allocator keeps exact statistics (``max_memory_allocated``).
+On CPU there is no such counter, so :class:`LiveTensorMeter` watches every aten
+call through a ``TorchDispatchMode``: it records the storage of every tensor an op
+returns, and after each op sums the storages still alive (weak references tell
+which were freed). The figure at op i is the memory live while op i has just run —
+its inputs, its output and everything else still held — the M_i of MAGIS §2.1.
+Resident tensors (parameters, buffers, inputs) are registered up front, as
+``torch.cuda.max_memory_allocated`` would count them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass
+class MeterReading:
+    """Peak live bytes and the live bytes after each op (CPU only)."""
+
+    peak_bytes: int
+    timeline: list[int] = field(default_factory=list)
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Track live tensor storages on CPU; ``peak_bytes`` after the ``with`` block."""
+
+    def __init__(self, resident: Iterable[torch.Tensor] = (), keep_timeline: bool = False) -> None:
+        super().__init__()
+        self._live: dict[StorageWeakRef, int] = {}
+        self._total = 0
+        self.peak_bytes = 0
+        self.keep_timeline = keep_timeline
+        self.timeline: list[int] = []
+        for t in resident:
+            self._register(t)
+        self.peak_bytes = self._total
+
+    def _register(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ref = StorageWeakRef(storage)
+        nbytes = int(storage.nbytes())
+        self._total += nbytes - self._live.get(ref, 0)
+        self._live[ref] = nbytes
+
+    def _prune(self) -> None:
+        dead = [ref for ref in self._live if ref.expired()]
+        for ref in dead:
+            self._total -= self._live.pop(ref)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._register(t)
+        self._prune()
+        self.peak_bytes = max(self.peak_bytes, self._total)
+        if self.keep_timeline:
+            self.timeline.append(self._total)
+        return out
+
+    def reading(self) -> MeterReading:
+        return MeterReading(self.peak_bytes, list(self.timeline))
+
+
+def resident_tensors(model: torch.nn.Module, inputs: Iterable[Any]) -> list[torch.Tensor]:
+    """Parameters, buffers and tensor inputs: memory held for the whole step."""
+    tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
+    tensors += [t for t in tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+class CudaPeakMeter:
+    """``torch.cuda.max_memory_allocated`` over a block, resident tensors included."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes = 0
+
+    def __enter__(self) -> CudaPeakMeter:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+
+def peak_meter(model: torch.nn.Module, inputs: Iterable[Any]) -> LiveTensorMeter | CudaPeakMeter:
+    """The right meter for where the model lives."""
+    param = next(model.parameters())
+    if param.device.type == "cuda":
+        return CudaPeakMeter(param.device)
+    return LiveTensorMeter(resident_tensors(model, inputs))

@@ -1,0 +1,154 @@
+"""Execute a graph on real tensors in a given schedule.
+
+The interpreter runs the nodes in the schedule's order and drops its reference to
+every value right after the value's last reader ran, so memory follows the
+simulator's timeline (:mod:`magis.cost.memory`). Parameters, buffers and inputs
+are bound by name from the user's module; the step returns the loss, every
+parameter gradient and the new buffer values (which it can write back, as an
+eager step mutates BatchNorm statistics in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from magis.ir.graph import Graph, Ref, map_refs
+
+
+class RuntimeBindError(ValueError):
+    """The module or inputs do not match the captured graph."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step: run ``node`` then forget the values in ``free``."""
+
+    node: str
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict[str, Any]
+    free: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A graph lowered to a straight-line list of instructions for one schedule."""
+
+    graph: Graph
+    order: tuple[str, ...]
+    instructions: tuple[Instruction, ...]
+
+
+@dataclass
+class StepResult:
+    """What a training step returns."""
+
+    loss: torch.Tensor
+    gradients: dict[str, torch.Tensor]
+    buffer_updates: dict[str, torch.Tensor]
+
+
+def lower(graph: Graph, order: Sequence[str] | None = None) -> Program:
+    """Lower ``graph`` in ``order`` (default: its node order) to a :class:`Program`."""
+    order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
+    graph.check_schedule(order)
+    pos = {name: i for i, name in enumerate(order)}
+    keep = set(graph.outputs) | set(graph.inputs)
+    last_use: dict[str, int] = {}
+    for name in order:
+        for p in graph[name].inputs:
+            last_use[p] = max(last_use.get(p, -1), pos[name])
+    frees: dict[int, list[str]] = {}
+    for name in order:
+        if name in keep:
+            continue
+        frees.setdefault(last_use.get(name, pos[name]), []).append(name)
+    instructions = []
+    for i, name in enumerate(order):
+        node = graph[name]
+        if node.is_input:
+            continue
+        instructions.append(
+            Instruction(name, node.target, node.args, dict(node.kwargs), tuple(frees.get(i, ())))
+        )
+    return Program(graph, order, tuple(instructions))
+
+
+def bind(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) -> dict[str, Any]:
+    """The graph's input nodes bound to the module's tensors and the user inputs."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    sig = graph.signature
+    env: dict[str, Any] = {}
+    for node, pname in sig.parameters.items():
+        if pname not in params:
+            raise RuntimeBindError(f"the module has no parameter {pname!r} that the graph was captured with")
+        env[node] = params[pname].detach()
+    for node, bname in sig.buffers.items():
+        if bname not in buffers:
+            raise RuntimeBindError(f"the module has no buffer {bname!r} that the graph was captured with")
+        env[node] = buffers[bname].detach()
+    flat = [x for x in example_inputs]
+    if len(flat) != len(sig.user_inputs):
+        raise RuntimeBindError(f"the graph takes {len(sig.user_inputs)} inputs, got {len(flat)}")
+    for node, value in zip(sig.user_inputs, flat):
+        meta = graph[node].outputs[0]
+        if isinstance(value, torch.Tensor) and meta is not None and tuple(value.shape) != meta.shape:
+            raise RuntimeBindError(
+                f"input {node} has shape {tuple(value.shape)}, the graph was captured with {meta.shape}"
+            )
+        env[node] = value.detach() if isinstance(value, torch.Tensor) else value
+    return env
+
+
+def execute(program: Program, env: dict[str, Any]) -> dict[str, Any]:
+    """Run the instructions; ``env`` holds the bound inputs and receives the outputs."""
+
+    def value(ref: Ref) -> Any:
+        return env[ref.name]
+
+    with torch.no_grad():
+        for ins in program.instructions:
+            args = map_refs(ins.args, value)
+            kwargs = map_refs(ins.kwargs, value) if ins.kwargs else {}
+            env[ins.node] = ins.fn(*args, **kwargs)
+            del args, kwargs
+            for name in ins.free:
+                del env[name]
+    return env
+
+
+def run_step(
+    graph: Graph,
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    order: Sequence[str] | None = None,
+    apply_buffer_updates: bool = True,
+) -> StepResult:
+    """Run one training step of ``graph`` on ``model``'s tensors in ``order``."""
+    program = lower(graph, order)
+    return run_program(program, model, example_inputs, apply_buffer_updates)
+
+
+def run_program(
+    program: Program, model: torch.nn.Module, example_inputs: Sequence[Any], apply_buffer_updates: bool = True
+) -> StepResult:
+    """Run an already lowered program (see :func:`lower`)."""
+    graph = program.graph
+    env = execute(program, bind(graph, model, example_inputs))
+    sig = graph.signature
+    result = StepResult(
+        loss=env[sig.loss],
+        gradients={p: env[n] for p, n in sig.gradients.items()},
+        buffer_updates={b: env[n] for b, n in sig.buffer_updates.items()},
+    )
+    if apply_buffer_updates and result.buffer_updates:
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, new in result.buffer_updates.items():
+                buffers[name].copy_(new)
+    return result

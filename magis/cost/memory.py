@@ -1,0 +1,96 @@
+"""Memory simulation of a schedule (MAGIS §2.1).
+
+For a schedule s = (v_1, ..., v_N), the tensor (storage) made by v_i lives from
+step i until the last step that reads any view of it; graph outputs live to the
+end; persistent tensors (parameters, buffers, inputs) live throughout. The active
+memory M_i is the bytes of all storages live at step i, plus the transient
+workspace of v_i (a fissioned region's internal peak, for instance); the peak is
+max_i M_i, and the memory hot-spots are the storages live at a step whose M_i is
+the peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from magis.ir.graph import Graph
+
+StorageKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """The memory timeline of one schedule."""
+
+    order: tuple[str, ...]
+    timeline: tuple[int, ...]  # M_i, bytes, one per step
+    peak: int
+    peak_steps: tuple[int, ...]  # every step whose M_i is the peak
+    hotspots: frozenset[StorageKey]  # storages live at a peak step
+    persistent_bytes: int
+
+    @property
+    def hotspot_nodes(self) -> frozenset[str]:
+        """The nodes that own a hot-spot storage."""
+        return frozenset(owner for owner, _ in self.hotspots)
+
+
+def storage_lifetimes(graph: Graph, order: Sequence[str]) -> dict[StorageKey, tuple[int, int]]:
+    """For every storage, the first and last step (inclusive) it is live in ``order``."""
+    pos = {name: i for i, name in enumerate(order)}
+    last = len(order) - 1
+    outputs = set(graph.outputs)
+    storages = graph.storages
+    span: dict[StorageKey, tuple[int, int]] = {}
+    for name in order:
+        node = graph[name]
+        if node.role.persistent:
+            end = last
+        elif name in outputs:
+            end = last
+        else:
+            end = max((pos[c] for c in graph.consumers[name]), default=pos[name])
+        for key in storages[name]:
+            if key is None:
+                continue
+            start = 0 if graph[key[0]].role.persistent else pos[key[0]]
+            old = span.get(key)
+            span[key] = (start, end) if old is None else (start, max(old[1], end))
+    return span
+
+
+def simulate_memory(
+    graph: Graph, order: Sequence[str], workspace: Mapping[str, int] | None = None
+) -> MemoryProfile:
+    """The memory timeline, peak and hot-spots of running ``graph`` in ``order``.
+
+    ``workspace`` adds transient bytes to the step of a node (memory it needs only
+    while it runs).
+    """
+    graph.check_schedule(order)
+    n = len(order)
+    sizes = graph.storage_bytes
+    span = storage_lifetimes(graph, order)
+    delta = [0] * (n + 1)
+    persistent = 0
+    for key, (start, end) in span.items():
+        delta[start] += sizes[key]
+        delta[end + 1] -= sizes[key]
+        if graph[key[0]].role.persistent:
+            persistent += sizes[key]
+    timeline = []
+    live = 0
+    for i in range(n):
+        live += delta[i]
+        extra = workspace.get(order[i], 0) if workspace else 0
+        timeline.append(live + extra)
+    peak = max(timeline, default=0)
+    peak_steps = tuple(i for i, m in enumerate(timeline) if m == peak)
+    hot = frozenset(k for k, (s, e) in span.items() if any(s <= i <= e for i in peak_steps))
+    return MemoryProfile(tuple(order), tuple(timeline), peak, peak_steps, hot, persistent)
+
+
+def peak_memory(graph: Graph, order: Sequence[str]) -> int:
+    """Peak of :func:`simulate_memory`: the figure the schedulers minimise."""
+    return simulate_memory(graph, order).peak

@@ -1,0 +1,292 @@
+"""Capture a whole training step (forward, loss, backward) as one aten-level graph.
+
+AOTAutograd (``aot_export_module`` with ``trace_joint=True``) traces the step with
+fake tensors and functionalizes it: no in-place op or mutation is left, buffer
+updates (BatchNorm running statistics) become outputs. This module converts that
+fx graph into :class:`magis.ir.Graph`, reading storage aliasing (views, getitem)
+off the fake tensors so the simulator counts memory exactly as the allocator does.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch._functorch.aot_autograd import aot_export_module
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from magis.ir.graph import Graph, Node, Ref, Role, Signature, TensorMeta
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+class CaptureError(RuntimeError):
+    """The model, its inputs or its loss cannot be captured; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A captured graph and how long capture took."""
+
+    graph: Graph
+    seconds: float
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The transformers convention: a scalar output is the loss, else ``output.loss``."""
+    if isinstance(output, torch.Tensor):
+        if output.dim() != 0:
+            raise CaptureError(
+                f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss: pass loss_fn"
+            )
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise CaptureError(
+            f"the model returned {type(output).__name__} without a .loss tensor: pass loss_fn(output) -> scalar"
+        )
+    return loss
+
+
+class _TrainingStep(torch.nn.Module):
+    """Wraps model + loss as the module AOTAutograd exports: forward returns ``(loss,)``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor]:
+        output = self.model(*inputs)
+        loss = default_loss(output) if self.loss_fn is None else self.loss_fn(output)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise CaptureError("loss_fn must return a scalar tensor")
+        return (loss,)
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> Graph:
+    """Trace ``loss_fn(model(*example_inputs))`` and its backward into one :class:`Graph`.
+
+    The model may hold real or fake tensors (a model built under ``FakeTensorMode``
+    traces without allocating its weights). Returns the functional joint graph whose
+    outputs are the loss, every parameter gradient and every buffer update.
+    """
+    return capture_timed(model, example_inputs, loss_fn).graph
+
+
+def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> Captured:
+    """:func:`capture`, also reporting the seconds it took."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError("example_inputs must be a tuple of positional arguments")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise CaptureError("the model has no parameter that requires grad: there is no training step to capture")
+    start = time.perf_counter()
+    step = _TrainingStep(model, loss_fn)
+    try:
+        gm, sig = aot_export_module(step, tuple(example_inputs), trace_joint=True, output_loss_index=0)
+    except CaptureError:
+        raise
+    except Exception as err:  # noqa: BLE001 - every tracing failure is reported with its cause
+        raise CaptureError(_explain(err)) from err
+    _propagate_fake_values(gm)
+    graph = graph_from_fx(gm, sig)
+    return Captured(graph, time.perf_counter() - start)
+
+
+def _explain(err: Exception) -> str:
+    text = f"{type(err).__name__}: {err}".strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    kind = type(err).__name__
+    if "DataDependent" in kind or "data-dependent" in text or "GuardOnDataDependent" in text:
+        return (
+            "the model has data-dependent Python control flow (a branch or loop on a tensor's value, "
+            f".item() or .tolist()), which a graph cannot capture: {first}"
+        )
+    if "DynamicOutputShape" in kind or "dynamic output shape" in text.lower():
+        return f"an op has a data-dependent output shape (e.g. nonzero, masked_select, unique): {first}"
+    return f"could not capture the training step: {first}"
+
+
+def _propagate_fake_values(gm: torch.fx.GraphModule) -> None:
+    """Re-run the exported graph on fresh fake tensors so ``meta['val']`` shares storage
+    wherever the real run would (the exported metadata loses view relationships)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        inputs = [
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+            for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
+        ]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+
+
+def _unprefix(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
+    """Convert AOTAutograd's joint fx graph and its signature into a :class:`Graph`."""
+    fx_nodes = list(gm.graph.nodes)
+    output_node = fx_nodes[-1]
+    assert output_node.op == "output"
+    out_args = list(output_node.args[0])
+    grads = {_unprefix(p): name for name, p in sig.backward_signature.gradients_to_parameters.items()}
+    updates = {_unprefix(b): name for name, b in sig.buffers_to_mutate.items()}
+    loss = sig.user_outputs[0]
+    loss_ancestors = _fx_ancestors(gm, loss)
+
+    storage_owner: dict[StorageWeakRef, tuple[str, int]] = {}
+    elements: dict[str, tuple[tuple[str, int] | None, ...]] = {}  # node -> root storage per element
+    nodes: list[Node] = []
+    for fn in fx_nodes[:-1]:
+        if fn.op == "placeholder":
+            target, args, kwargs = None, (), ()
+            role = (
+                Role.PARAMETER
+                if fn.name in sig.inputs_to_parameters
+                else Role.BUFFER
+                if fn.name in sig.inputs_to_buffers
+                else Role.INPUT
+            )
+        elif fn.op == "call_function":
+            target = fn.target
+            _check_supported(fn)
+            args = _to_refs(fn.args)
+            kwargs = tuple(sorted((k, _to_refs(v)) for k, v in fn.kwargs.items()))
+            role = _role(fn.name, loss, loss_ancestors, grads, updates)
+        else:
+            raise CaptureError(f"unexpected fx node {fn.op} {fn.target} in the captured graph")
+        val = fn.meta.get("val")
+        tuple_output = isinstance(val, (tuple, list))
+        vals = list(val) if tuple_output else [val]
+        inputs = [n.name for n in fn.all_input_nodes]
+        inputs = list(dict.fromkeys(inputs))
+        metas: list[TensorMeta | None] = []
+        aliases: list[tuple[int, int] | None] = []
+        roots: list[tuple[str, int] | None] = []
+        for e, v in enumerate(vals):
+            if not isinstance(v, torch.Tensor):
+                if v is not None:
+                    raise CaptureError(f"op {fn.target} returns a non-tensor value ({type(v).__name__})")
+                metas.append(None)
+                aliases.append(None)
+                roots.append(None)
+                continue
+            key = StorageWeakRef(v.untyped_storage())
+            metas.append(TensorMeta.of(v))
+            root = storage_owner.get(key)
+            if root is None:
+                storage_owner[key] = (fn.name, e)
+                aliases.append(None)
+                roots.append((fn.name, e))
+            else:
+                aliases.append(_alias_position(root, inputs, elements, fn))
+                roots.append(root)
+        elements[fn.name] = tuple(roots)
+        random = target is not None and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+        nodes.append(
+            Node(
+                name=fn.name,
+                target=target,
+                args=args,
+                kwargs=kwargs,
+                outputs=tuple(metas),
+                aliases=tuple(aliases),
+                role=role,
+                random=random,
+                tuple_output=tuple_output,
+            )
+        )
+
+    outputs = tuple(a.name for a in out_args if isinstance(a, torch.fx.Node))
+    signature = Signature(
+        parameters={k: _unprefix(v) for k, v in sig.inputs_to_parameters.items()},
+        buffers={k: _unprefix(v) for k, v in sig.inputs_to_buffers.items()},
+        user_inputs=tuple(sig.user_inputs),
+        loss=loss,
+        gradients=grads,
+        buffer_updates=updates,
+    )
+    nodes = _drop_dead(nodes, set(outputs))
+    randoms = [n.name for n in nodes if n.random]
+    order_edges = tuple(zip(randoms, randoms[1:]))
+    return Graph(tuple(nodes), outputs, signature, order_edges)
+
+
+def _alias_position(
+    root: tuple[str, int],
+    inputs: list[str],
+    elements: dict[str, tuple[tuple[str, int] | None, ...]],
+    fn: torch.fx.Node,
+) -> tuple[int, int]:
+    """The (input position, element) whose storage this view shares."""
+    for pos, name in enumerate(inputs):
+        for k, r in enumerate(elements[name]):
+            if r == root:
+                return (pos, k)
+    raise CaptureError(f"{fn.name} ({fn.target}) aliases a tensor that is not one of its inputs")
+
+
+def _check_supported(fn: torch.fx.Node) -> None:
+    target = fn.target
+    if target is operator.getitem:
+        return
+    if not isinstance(target, torch._ops.OpOverload):
+        raise CaptureError(f"unsupported operation {target!r} in the captured graph (node {fn.name})")
+    if target._schema.is_mutable:
+        raise CaptureError(f"in-place op {target} survived functionalization (node {fn.name}); it cannot be reordered")
+
+
+def _to_refs(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return Ref(value.name)
+    if isinstance(value, tuple):
+        return tuple(_to_refs(v) for v in value)
+    if isinstance(value, list):
+        return [_to_refs(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_refs(v) for k, v in value.items()}
+    return value
+
+
+def _fx_ancestors(gm: torch.fx.GraphModule, name: str) -> set[str]:
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seen: set[str] = set()
+    stack = [by_name[name]]
+    while stack:
+        n = stack.pop()
+        if n.name not in seen:
+            seen.add(n.name)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _role(name: str, loss: str, forward: set[str], grads: dict[str, str], updates: dict[str, str]) -> Role:
+    if name == loss:
+        return Role.LOSS
+    if name in grads.values():
+        return Role.GRADIENT
+    if name in updates.values():
+        return Role.BUFFER_UPDATE
+    return Role.ACTIVATION if name in forward else Role.BACKWARD
+
+
+def _drop_dead(nodes: list[Node], outputs: set[str]) -> list[Node]:
+    """Remove pure nodes whose value nobody reads (AOTAutograd leaves some ``detach``)."""
+    used: set[str] = set(outputs)
+    keep: list[Node] = []
+    for n in reversed(nodes):
+        if n.name in used or n.is_input or n.random:
+            keep.append(n)
+            used.update(n.inputs)
+    return keep[::-1]

@@ -1,0 +1,436 @@
+"""The graph IR that every pass of magis reads and writes.
+
+A :class:`Graph` is a DAG of :class:`Node` objects, each an aten operator (or a
+graph input) with its output described by :class:`TensorMeta`. It is immutable by
+convention: rules build new graphs with :meth:`Graph.replace`, sharing the
+untouched nodes, so copying a graph during search is cheap. Derived facts
+(index, consumers, storage aliasing) are cached on the graph object that owns them.
+
+Values and storages (MAGIS §2.1): a node's value is a tuple of output *elements*
+(one for ordinary ops, several for ops such as ``native_batch_norm``). An element
+either owns a freshly allocated storage, or is a view of an element of one of its
+inputs (``view``, ``t``, ``getitem`` of a tuple, ``detach``...). Memory is counted
+per storage, never per view, exactly as the allocator sees it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+import torch
+
+
+class Role(enum.Enum):
+    """What a node is in the training step."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    ACTIVATION = "activation"  # forward pass: ancestors of the loss
+    LOSS = "loss"
+    BACKWARD = "backward"  # backward pass intermediates
+    GRADIENT = "gradient"  # a parameter's gradient (a graph output)
+    BUFFER_UPDATE = "buffer_update"  # new value of a mutated buffer (BatchNorm stats)
+
+    @property
+    def persistent(self) -> bool:
+        """Resident for the whole step (MAGIS §2.1: parameters, inputs, buffers)."""
+        return self in (Role.PARAMETER, Role.BUFFER, Role.INPUT)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape, dtype and storage size of one output element."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(int(s) for s in tensor.shape), tensor.dtype, tensor_nbytes(tensor))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage behind ``tensor`` (works on real, fake and meta tensors)."""
+    return int(tensor.untyped_storage().nbytes())
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A reference to another node's value inside a node's arguments."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One operator application.
+
+    ``target`` is an aten ``OpOverload``, ``operator.getitem``, or ``None`` for a graph
+    input. ``args``/``kwargs`` hold constants and :class:`Ref` objects. ``outputs`` has
+    one :class:`TensorMeta` (or ``None`` for a missing optional output) per element.
+    ``aliases[e]`` is ``None`` when element ``e`` owns a new storage, else a pair
+    ``(input position, element of that input)`` it shares storage with.
+    ``random`` marks ops whose result depends on the RNG state (dropout): they are
+    never re-executed with a different result.
+    """
+
+    name: str
+    target: Any
+    args: tuple = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    outputs: tuple[TensorMeta | None, ...] = ()
+    aliases: tuple[tuple[int, int] | None, ...] = ()
+    role: Role = Role.ACTIVATION
+    random: bool = False
+    tuple_output: bool = False  # the op returns a tuple (consumers use getitem)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Names of the nodes this one reads, in argument order, without repeats."""
+        seen: dict[str, None] = {}
+        for ref in iter_refs((self.args, self.kwargs)):
+            seen.setdefault(ref.name, None)
+        return tuple(seen)
+
+    @property
+    def meta(self) -> TensorMeta:
+        """The output of a single-output node."""
+        assert len(self.outputs) == 1 and self.outputs[0] is not None, self.name
+        return self.outputs[0]
+
+    @property
+    def is_input(self) -> bool:
+        return self.target is None
+
+    @property
+    def op_name(self) -> str:
+        return op_name(self.target)
+
+    def kwargs_dict(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+    @property
+    def fresh_bytes(self) -> int:
+        """Bytes this node allocates: the storages it owns (views allocate nothing)."""
+        return sum(m.nbytes for m, a in zip(self.outputs, self.aliases) if m is not None and a is None)
+
+
+def op_name(target: Any) -> str:
+    if target is None:
+        return "input"
+    name = getattr(target, "__name__", None) or str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        name = str(target)
+    return name
+
+
+def iter_refs(value: Any) -> Iterator[Ref]:
+    """Every :class:`Ref` inside a nested structure of tuples, lists and dicts."""
+    if isinstance(value, Ref):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from iter_refs(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from iter_refs(v)
+
+
+def map_refs(value: Any, fn: Callable[[Ref], Any]) -> Any:
+    """Rebuild a nested argument structure with every :class:`Ref` replaced by ``fn(ref)``."""
+    if isinstance(value, Ref):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(map_refs(v, fn) for v in value)
+    if isinstance(value, list):
+        return [map_refs(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: map_refs(v, fn) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How the graph's inputs and outputs map onto the user's module."""
+
+    parameters: dict[str, str] = field(default_factory=dict)  # input node -> parameter name
+    buffers: dict[str, str] = field(default_factory=dict)  # input node -> buffer name
+    user_inputs: tuple[str, ...] = ()  # input nodes, in the user's argument order
+    loss: str = ""  # node holding the scalar loss
+    gradients: dict[str, str] = field(default_factory=dict)  # parameter name -> gradient node
+    buffer_updates: dict[str, str] = field(default_factory=dict)  # buffer name -> new value node
+
+
+class GraphError(ValueError):
+    """A graph that breaks an invariant of the IR."""
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """An immutable DAG of nodes, listed in one valid topological order.
+
+    ``outputs`` are the node names the step returns: they stay alive until the end.
+    """
+
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]
+    signature: Signature = field(default_factory=Signature)
+    #: extra ordering constraints (before, after) that are not data edges, e.g. the
+    #: order of random ops, which share one RNG stream.
+    order_edges: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise GraphError("duplicate node names")
+
+    # ------------------------------------------------------------------ lookup
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Position of each node in ``nodes``."""
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def __getitem__(self, name: str) -> Node:
+        return self.nodes[self.index[name]]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    @cached_property
+    def predecessors(self) -> dict[str, tuple[str, ...]]:
+        """Data and ordering predecessors of every node."""
+        preds = {n.name: list(n.inputs) for n in self.nodes}
+        for before, after in self.order_edges:
+            if before not in preds[after]:
+                preds[after].append(before)
+        return {k: tuple(v) for k, v in preds.items()}
+
+    @cached_property
+    def successors(self) -> dict[str, tuple[str, ...]]:
+        """Data and ordering successors of every node, in node order."""
+        succ: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for p in self.predecessors[n.name]:
+                succ[p].append(n.name)
+        return {k: tuple(v) for k, v in succ.items()}
+
+    @cached_property
+    def consumers(self) -> dict[str, tuple[str, ...]]:
+        """Data consumers only (nodes that read a node's value)."""
+        cons: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for p in n.inputs:
+                cons[p].append(n.name)
+        return {k: tuple(v) for k, v in cons.items()}
+
+    @cached_property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.nodes if n.is_input)
+
+    @cached_property
+    def storages(self) -> dict[str, tuple[tuple[str, int] | None, ...]]:
+        """For every node, the storage each output element lives in: ``(owner, element)``.
+
+        Follows view chains back to the node that allocated the storage.
+        """
+        out: dict[str, tuple[tuple[str, int] | None, ...]] = {}
+        for n in self.nodes:
+            elems: list[tuple[str, int] | None] = []
+            ins = n.inputs
+            for e, (m, alias) in enumerate(zip(n.outputs, n.aliases)):
+                if m is None:
+                    elems.append(None)
+                elif alias is None:
+                    elems.append((n.name, e))
+                else:
+                    pos, k = alias
+                    elems.append(out[ins[pos]][k])
+            out[n.name] = tuple(elems)
+        return out
+
+    @cached_property
+    def storage_bytes(self) -> dict[tuple[str, int], int]:
+        """Size of every storage, keyed by ``(owner, element)``."""
+        sizes: dict[tuple[str, int], int] = {}
+        for n in self.nodes:
+            for e, (m, alias) in enumerate(zip(n.outputs, n.aliases)):
+                if m is not None and alias is None:
+                    sizes[(n.name, e)] = m.nbytes
+        return sizes
+
+    # -------------------------------------------------------------- structure
+    def is_schedule(self, order: Sequence[str]) -> bool:
+        """True when ``order`` lists every node once and respects every edge."""
+        if len(order) != len(self.nodes) or set(order) != set(self.index):
+            return False
+        pos = {name: i for i, name in enumerate(order)}
+        return all(pos[p] < pos[n] for n in order for p in self.predecessors[n])
+
+    def check_schedule(self, order: Sequence[str]) -> None:
+        if not self.is_schedule(order):
+            raise GraphError("the order is not a topological order of this graph's nodes")
+
+    def ancestors(self, name: str) -> set[str]:
+        """All nodes with a path to ``name`` (data or ordering edges)."""
+        return _reach(name, self.predecessors)
+
+    def descendants(self, name: str) -> set[str]:
+        """All nodes reachable from ``name``."""
+        return _reach(name, self.successors)
+
+    def structural_hash(self) -> str:
+        """A deterministic hash of the graph's structure, independent of node names and order.
+
+        Each node hashes its operator, constants and output shapes together with the
+        hashes of its inputs in argument order (a Merkle hash of the DAG); the graph
+        hash combines the sorted node hashes. Used by search to skip graphs it saw.
+        """
+        node_hash: dict[str, str] = {}
+        for n in self.nodes:
+            consts = map_refs((n.args, n.kwargs), lambda r: "#" + node_hash[r.name])
+            text = repr((n.op_name, consts, n.outputs, n.role.value))
+            node_hash[n.name] = hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+        outs = sorted(node_hash[o] for o in self.outputs)
+        return hashlib.blake2b(repr((sorted(node_hash.values()), outs)).encode(), digest_size=16).hexdigest()
+
+    # ----------------------------------------------------------------- change
+    def replace(
+        self,
+        remove: Iterable[str] = (),
+        add: Sequence[Node] = (),
+        rename: dict[str, str] | None = None,
+        order_edges: tuple[tuple[str, str], ...] | None = None,
+    ) -> Graph:
+        """A new graph without ``remove``, with ``add`` inserted, and references renamed.
+
+        ``rename`` maps an old node name to the node that now provides its value (for
+        every consumer, the outputs and the signature). New nodes are placed right
+        after the last of their inputs so the node list stays topologically sorted.
+        """
+        rename = rename or {}
+        removed = set(remove)
+
+        def ren(ref: Ref) -> Ref:
+            return Ref(rename.get(ref.name, ref.name))
+
+        kept = [
+            n if not rename else replace(n, args=map_refs(n.args, ren), kwargs=map_refs(n.kwargs, ren))
+            for n in self.nodes
+            if n.name not in removed
+        ]
+        nodes = topological_merge(kept, list(add))
+        sig = self.signature
+        if rename:
+            sig = replace(
+                sig,
+                loss=rename.get(sig.loss, sig.loss),
+                gradients={k: rename.get(v, v) for k, v in sig.gradients.items()},
+                buffer_updates={k: rename.get(v, v) for k, v in sig.buffer_updates.items()},
+            )
+        edges = self.order_edges if order_edges is None else order_edges
+        edges = tuple((rename.get(a, a), rename.get(b, b)) for a, b in edges)
+        edges = tuple((a, b) for a, b in edges if a not in removed and b not in removed)
+        return Graph(tuple(nodes), tuple(rename.get(o, o) for o in self.outputs), sig, edges)
+
+    def fresh_name(self, base: str) -> str:
+        """A node name not used in this graph."""
+        if base not in self.index:
+            return base
+        i = 1
+        while f"{base}_{i}" in self.index:
+            i += 1
+        return f"{base}_{i}"
+
+    def subgraph_inputs(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Nodes outside ``names`` whose values the sub-graph reads."""
+        inside = set(names)
+        seen: dict[str, None] = {}
+        for name in sorted(inside, key=self.index.__getitem__):
+            for p in self[name].inputs:
+                if p not in inside:
+                    seen.setdefault(p, None)
+        return tuple(seen)
+
+    def subgraph_outputs(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Nodes of ``names`` read outside it or returned by the graph."""
+        inside = set(names)
+        outs = set(self.outputs)
+        return tuple(
+            n
+            for n in sorted(inside, key=self.index.__getitem__)
+            if n in outs or any(c not in inside for c in self.consumers[n])
+        )
+
+    def summary(self) -> dict[str, int]:
+        """Counts a person wants to see first."""
+        return {
+            "nodes": len(self.nodes),
+            "weight_bytes": sum(self[n].fresh_bytes for n in self.signature.parameters),
+        }
+
+
+def _reach(start: str, edges: dict[str, tuple[str, ...]]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(edges[start])
+    while stack:
+        v = stack.pop()
+        if v not in seen:
+            seen.add(v)
+            stack.extend(edges[v])
+    return seen
+
+
+def topological_merge(kept: list[Node], added: list[Node]) -> list[Node]:
+    """Sort ``kept`` (already in order) plus ``added`` topologically.
+
+    Kept nodes keep their relative order; each added node goes right after the last
+    of its inputs (ties broken by the order it was given in).
+    """
+    nodes = kept + added
+    by_name = {n.name: n for n in nodes}
+    missing = {p for n in added for p in n.inputs if p not in by_name}
+    if missing:
+        raise GraphError(f"added nodes read unknown nodes: {sorted(missing)[:5]}")
+    priority: dict[str, tuple[float, int]] = {n.name: (float(i), 0) for i, n in enumerate(kept)}
+    for j, n in enumerate(added, start=1):
+        last = max((priority[p][0] for p in n.inputs if p in priority), default=-1.0)
+        priority[n.name] = (last + 0.5, j)
+    indeg = {n.name: len(n.inputs) for n in nodes}
+    users: dict[str, list[str]] = {n.name: [] for n in nodes}
+    for n in nodes:
+        for p in n.inputs:
+            users[p].append(n.name)
+    heap = [(priority[name], name) for name, d in indeg.items() if d == 0]
+    heapq.heapify(heap)
+    out: list[Node] = []
+    while heap:
+        _, name = heapq.heappop(heap)
+        out.append(by_name[name])
+        for u in users[name]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, (priority[u], u))
+    if len(out) != len(nodes):
+        raise GraphError("the graph has a cycle")
+    return out
