@@ -58,7 +58,7 @@ class LiveTensorMeter(TorchDispatchMode):
         for ref in dead:
             self._total -= self._live.pop(ref)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             self._register(t)

@@ -11,7 +11,7 @@ the peak.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from magis.ir.graph import Graph
@@ -45,9 +45,7 @@ def storage_lifetimes(graph: Graph, order: Sequence[str]) -> dict[StorageKey, tu
     span: dict[StorageKey, tuple[int, int]] = {}
     for name in order:
         node = graph[name]
-        if node.role.persistent:
-            end = last
-        elif name in outputs:
+        if node.role.persistent or name in outputs:
             end = last
         else:
             end = max((pos[c] for c in graph.consumers[name]), default=pos[name])
@@ -60,13 +58,10 @@ def storage_lifetimes(graph: Graph, order: Sequence[str]) -> dict[StorageKey, tu
     return span
 
 
-def simulate_memory(
-    graph: Graph, order: Sequence[str], workspace: Mapping[str, int] | None = None
-) -> MemoryProfile:
+def simulate_memory(graph: Graph, order: Sequence[str]) -> MemoryProfile:
     """The memory timeline, peak and hot-spots of running ``graph`` in ``order``.
 
-    ``workspace`` adds transient bytes to the step of a node (memory it needs only
-    while it runs).
+    A node's ``workspace`` (memory it needs only while it runs) counts at its step.
     """
     graph.check_schedule(order)
     n = len(order)
@@ -83,8 +78,7 @@ def simulate_memory(
     live = 0
     for i in range(n):
         live += delta[i]
-        extra = workspace.get(order[i], 0) if workspace else 0
-        timeline.append(live + extra)
+        timeline.append(live + graph[order[i]].workspace)
     peak = max(timeline, default=0)
     peak_steps = tuple(i for i, m in enumerate(timeline) if m == peak)
     hot = frozenset(k for k, (s, e) in span.items() if any(s <= i <= e for i in peak_steps))

@@ -9,6 +9,7 @@ off the fake tensors so the simulator counts memory exactly as the allocator doe
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -97,7 +98,7 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
         gm, sig = aot_export_module(step, tuple(example_inputs), trace_joint=True, output_loss_index=0)
     except CaptureError:
         raise
-    except Exception as err:  # noqa: BLE001 - every tracing failure is reported with its cause
+    except Exception as err:
         raise CaptureError(_explain(err)) from err
     _propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
@@ -219,7 +220,7 @@ def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
     )
     nodes = _drop_dead(nodes, set(outputs))
     randoms = [n.name for n in nodes if n.random]
-    order_edges = tuple(zip(randoms, randoms[1:]))
+    order_edges = tuple(itertools.pairwise(randoms))
     return Graph(tuple(nodes), outputs, signature, order_edges)
 
 

@@ -86,7 +86,8 @@ class Node:
     ``aliases[e]`` is ``None`` when element ``e`` owns a new storage, else a pair
     ``(input position, element of that input)`` it shares storage with.
     ``random`` marks ops whose result depends on the RNG state (dropout): they are
-    never re-executed with a different result.
+    never re-executed with a different result. ``workspace`` is memory the node holds
+    only while it runs, on top of its inputs and outputs.
     """
 
     name: str
@@ -98,6 +99,7 @@ class Node:
     role: Role = Role.ACTIVATION
     random: bool = False
     tuple_output: bool = False  # the op returns a tuple (consumers use getitem)
+    workspace: int = 0  # transient bytes the node needs only while it runs (e.g. a fissioned region)
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -1,0 +1,5 @@
+import sys
+
+from magis.cli import main
+
+sys.exit(main())

@@ -1,0 +1,43 @@
+"""The ``magis`` command line: one sub-command per module of :mod:`magis.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+#: sub-command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("magis.commands.models", "list the built-in workloads and their presets"),
+    "profile": ("magis.commands.profile", "capture a workload; simulate (and optionally run) its training step"),
+    "schedule": ("magis.commands.schedule", "find a memory-optimal operator order for a workload"),
+    "fission": ("magis.commands.fission", "list the F-Tree's fission candidates of a workload"),
+    "bench": ("magis.commands.bench", "compare magis with its peers on a workload"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="magis", description="Fit PyTorch training in less memory (MAGIS).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(command)
+        command.set_defaults(module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return importlib.import_module(args.module).run(args)
+    except (ValueError, RuntimeError) as err:
+        if os.environ.get("MAGIS_DEBUG"):
+            raise
+        print(f"magis {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

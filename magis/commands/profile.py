@@ -1,0 +1,29 @@
+"""``magis profile MODEL``: capture a workload's training step, simulate it, optionally run it."""
+
+from __future__ import annotations
+
+import argparse
+
+from magis.api import profile
+from magis.commands.common import add_workload_arguments, build_workload, emit, log
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="latency cost model: cpu/cuda (profiled here) or a device profile (h200, h100, a100, rtx3090); "
+        "default: this machine, or h200 for the paper preset",
+    )
+    parser.add_argument("--run", action="store_true", help="also run the step for real and measure it")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.run and args.preset == "paper":
+        raise ValueError("--run needs real weights: the paper preset is traced on fake tensors; use tiny or small")
+    built = build_workload(args.model, args.preset, args.batch)
+    log(f"profiling {args.model} ({args.preset})")
+    report = profile(built.model, built.example_inputs, built.loss_fn, run=args.run, device=args.device)
+    emit({"model": args.model, "preset": args.preset, **{k: v for k, v in report.items() if k != "model"}}, args.json)
+    return 0

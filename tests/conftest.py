@@ -1,0 +1,51 @@
+"""Small models shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class ConvNet(nn.Module):
+    """Conv + BatchNorm + ReLU + Dropout + Linear: buffers, a random op, views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.3)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.relu(self.bn(self.conv(x)))).mean((2, 3))
+        return self.fc(y)
+
+
+class TwoDropoutMLP(nn.Module):
+    """Two dropouts in a row: the RNG stream must be consumed in eager's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 1)
+        self.d1 = nn.Dropout(0.5)
+        self.d2 = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = self.d1(torch.tanh(self.a(x)))
+        h2 = self.d2(torch.relu(self.b(h1)))
+        return self.c(h2 + h1).pow(2).mean()
+
+
+@pytest.fixture
+def convnet() -> tuple[nn.Module, tuple[torch.Tensor], object]:
+    torch.manual_seed(0)
+    return ConvNet(), (torch.randn(4, 3, 12, 12),), (lambda out: out.square().mean())
+
+
+@pytest.fixture
+def mlp() -> tuple[nn.Module, tuple[torch.Tensor], None]:
+    torch.manual_seed(0)
+    return TwoDropoutMLP(), (torch.randn(8, 16),), None

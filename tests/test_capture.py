@@ -1,0 +1,162 @@
+"""The spine: capture, IR invariants, simulator vs runtime, errors that name their cause."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import magis
+from magis.api import measure_against_eager
+from magis.cost.memory import simulate_memory
+from magis.frontend.capture import CaptureError
+from magis.ir import Graph, Role
+
+
+def test_capture_marks_roles_aliases_and_randomness(convnet):
+    model, inputs, loss_fn = convnet
+    graph = magis.capture(model, inputs, loss_fn)
+    roles = {n.role for n in graph.nodes}
+    assert {Role.PARAMETER, Role.BUFFER, Role.INPUT, Role.ACTIVATION, Role.GRADIENT, Role.LOSS} <= roles
+    assert set(graph.signature.gradients) == {name for name, _ in model.named_parameters()}
+    assert set(graph.signature.buffer_updates) == {name for name, _ in model.named_buffers()}
+    assert any(n.random for n in graph.nodes), "dropout must be marked random"
+    views = [n for n in graph.nodes if n.op_name in ("aten.t.default", "aten.view.default", "getitem")]
+    assert views and all(a is not None for n in views for a in n.aliases if n.outputs[0] is not None)
+    for node in graph.nodes:
+        if node.target is not None and hasattr(node.target, "_schema"):
+            assert not node.target._schema.is_mutable, f"{node.name} mutates its input"
+
+
+def test_random_ops_keep_their_relative_order(mlp):
+    model, inputs, loss_fn = mlp
+    graph = magis.capture(model, inputs, loss_fn)
+    randoms = [n.name for n in graph.nodes if n.random]
+    assert len(randoms) == 2
+    assert graph.order_edges == ((randoms[0], randoms[1]),)
+
+
+@pytest.mark.parametrize("fixture", ["convnet", "mlp"])
+def test_runtime_matches_eager_and_simulator(fixture, request):
+    model, inputs, loss_fn = request.getfixturevalue(fixture)
+    model.train()
+    graph = magis.capture(model, inputs, loss_fn)
+    order = [n.name for n in graph.nodes]
+    report = measure_against_eager(graph, order, model, inputs, loss_fn, seed=3)
+    assert report["max_grad_error"] < 1e-5
+    simulated = simulate_memory(graph, order).peak
+    assert abs(report["measured_peak_bytes"] - simulated) <= 0.02 * simulated
+
+
+def test_runtime_reverse_valid_order_still_exact(mlp):
+    """Any valid order gives the same gradients and the simulator follows it."""
+    model, inputs, loss_fn = mlp
+    graph = magis.capture(model, inputs, loss_fn)
+    order = _latest_first_order(graph)
+    assert graph.is_schedule(order) and order != [n.name for n in graph.nodes]
+    report = measure_against_eager(graph, order, model, inputs, loss_fn, seed=5)
+    assert report["max_grad_error"] < 1e-5
+    simulated = simulate_memory(graph, order).peak
+    assert abs(report["measured_peak_bytes"] - simulated) <= 0.02 * simulated
+
+
+def _latest_first_order(graph):
+    """A valid topological order other than the captured one (Kahn, newest ready node first)."""
+    indeg = {n.name: len(graph.predecessors[n.name]) for n in graph.nodes}
+    ready = [n for n, d in indeg.items() if d == 0]
+    order = []
+    while ready:
+        v = ready.pop()
+        order.append(v)
+        for s in graph.successors[v]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    return order
+
+
+def test_structural_hash_ignores_names_and_order(convnet):
+    model, inputs, loss_fn = convnet
+    graph = magis.capture(model, inputs, loss_fn)
+    assert graph.structural_hash() == magis.capture(model, inputs, loss_fn).structural_hash()
+    reordered = Graph(tuple(graph[n] for n in _latest_first_order(graph)), graph.outputs, graph.signature)
+    assert reordered.structural_hash() == graph.structural_hash()
+    renamed = graph.replace(rename={})  # same graph rebuilt
+    assert renamed.structural_hash() == graph.structural_hash()
+    relu = next(n for n in graph.nodes if n.op_name == "aten.relu.default")
+    sigmoid = dataclasses.replace(relu, target=torch.ops.aten.sigmoid.default)
+    swapped = Graph(tuple(sigmoid if n.name == relu.name else n for n in graph.nodes), graph.outputs, graph.signature)
+    assert swapped.structural_hash() != graph.structural_hash()
+
+
+def test_paper_size_capture_on_fake_tensors_allocates_nothing():
+    with FakeTensorMode():
+        model = nn.Sequential(nn.Linear(8192, 8192), nn.GELU(), nn.Linear(8192, 8192))
+        x = torch.randn(4096, 8192)
+    graph = magis.capture(model, (x,), lambda out: out.mean())
+    peak = simulate_memory(graph, [n.name for n in graph.nodes]).peak
+    assert peak > 4 * 8192 * 8192 * 4  # weights + grads alone exceed 1 GiB: nothing was allocated
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:  # a branch on a tensor's value
+            return y.mean()
+        return -y.mean()
+
+
+class NumpyEscape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.from_numpy(self.fc(x).detach().numpy()).sum() + self.fc(x).sum()
+
+
+def test_data_dependent_control_flow_is_named():
+    with pytest.raises(CaptureError, match="data-dependent"):
+        magis.capture(DataDependent(), (torch.randn(2, 4),))
+
+
+def test_uncapturable_op_is_named():
+    with pytest.raises(CaptureError, match="capture"):
+        magis.capture(NumpyEscape(), (torch.randn(2, 4),))
+
+
+def test_non_scalar_output_without_loss_fn_is_named():
+    with pytest.raises(CaptureError, match="loss_fn"):
+        magis.capture(nn.Linear(4, 4), (torch.randn(2, 4),))
+
+
+def test_profile_reports_every_key(convnet):
+    model, inputs, loss_fn = convnet
+    report = magis.profile(model, inputs, loss_fn, run=True, device="a100")
+    for key in (
+        "model",
+        "nodes",
+        "weight_bytes",
+        "simulated_peak_bytes",
+        "simulated_latency_s",
+        "capture_seconds",
+        "measured_peak_bytes",
+        "eager_peak_bytes",
+        "max_grad_error",
+    ):
+        assert key in report
+    assert report["weight_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    assert report["max_grad_error"] < 1e-5
+
+
+def test_profile_rejects_unknown_device(convnet):
+    model, inputs, loss_fn = convnet
+    with pytest.raises(ValueError, match="h200"):
+        magis.profile(model, inputs, loss_fn, device="tpu-v9")
