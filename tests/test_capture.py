@@ -160,3 +160,22 @@ def test_profile_rejects_unknown_device(convnet):
     model, inputs, loss_fn = convnet
     with pytest.raises(ValueError, match="h200"):
         magis.profile(model, inputs, loss_fn, device="tpu-v9")
+
+
+def test_graph_back_to_fx_code_runs_like_the_runtime(convnet):
+    from magis.backend.runtime import bind, execute, lower
+    from magis.ir.fx import to_fx
+
+    model, inputs, loss_fn = convnet
+    graph = magis.capture(model, inputs, loss_fn)
+    order = _latest_first_order(graph)
+    gm = to_fx(graph, order)
+    env = bind(graph, model, inputs)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        outs = gm(*(env[name] for name in graph.inputs))
+    torch.manual_seed(7)
+    expected = execute(lower(graph, order), dict(env))
+    assert len(outs) == len(graph.outputs)
+    for name, out in zip(graph.outputs, outs):
+        torch.testing.assert_close(out, expected[name])

@@ -10,9 +10,10 @@ off the fake tensors so the simulator counts memory exactly as the allocator doe
 from __future__ import annotations
 
 import itertools
+import contextlib
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +95,15 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
         raise CaptureError("the model has no parameter that requires grad: there is no training step to capture")
     start = time.perf_counter()
     step = _TrainingStep(model, loss_fn)
+    inputs = tuple(example_inputs)
     try:
-        gm, sig = aot_export_module(step, tuple(example_inputs), trace_joint=True, output_loss_index=0)
+        try:
+            gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+        except AssertionError as err:
+            if "did not receive a gradient" not in str(err):
+                raise
+            with _frozen(_parameters_without_gradient(step, inputs)):
+                gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
     except CaptureError:
         raise
     except Exception as err:
@@ -103,6 +111,33 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
     _propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start)
+
+
+def _parameters_without_gradient(step: _TrainingStep, inputs: tuple) -> list[torch.nn.Parameter]:
+    """Trainable parameters the loss does not depend on (e.g. BERT's pooler under an MLM loss).
+
+    AOTAutograd refuses to export a joint graph where a parameter gets no gradient,
+    so these are found from a forward-only export and frozen for the capture.
+    """
+    gm, sig = aot_export_module(step, inputs, trace_joint=False)
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    params = dict(step.named_parameters(remove_duplicate=False))
+    return [
+        params[name]
+        for node, name in sig.inputs_to_parameters.items()
+        if not placeholders[node].users and params[name].requires_grad
+    ]
+
+
+@contextlib.contextmanager
+def _frozen(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def _explain(err: Exception) -> str:

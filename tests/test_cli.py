@@ -1,0 +1,63 @@
+"""The command line: documented JSON keys, and clear errors for bad options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from magis.cli import main
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_models_lists_the_seven_workloads(capsys):
+    report = run_json(capsys, "models", "--json")
+    names = {row["model"] for row in report["workloads"]}
+    assert names == {"resnet50", "bert-base", "vit-base", "unet", "unetpp", "gpt-neo-1.3b", "btlm-3b"}
+
+
+def test_profile_json_has_the_documented_keys(capsys):
+    report = run_json(capsys, "profile", "vit-base", "--preset", "tiny", "--run", "--json")
+    for key in (
+        "model",
+        "nodes",
+        "weight_bytes",
+        "simulated_peak_bytes",
+        "simulated_latency_s",
+        "capture_seconds",
+        "measured_peak_bytes",
+        "eager_peak_bytes",
+        "max_grad_error",
+    ):
+        assert key in report, key
+    assert report["model"] == "vit-base"
+    assert report["max_grad_error"] < 1e-4
+    assert abs(report["measured_peak_bytes"] - report["simulated_peak_bytes"]) <= 0.02 * report["simulated_peak_bytes"]
+
+
+def test_unknown_model_names_the_valid_ones(capsys):
+    assert main(["profile", "alexnet", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "alexnet" in err and "bert-base" in err
+
+
+def test_unknown_device_names_the_valid_ones(capsys):
+    assert main(["profile", "unet", "--device", "tpu", "--json"]) == 2
+    assert "h200" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["profile", "unet", "--preset", "huge"], ["profile", "unet", "--batch", "0"]])
+def test_bad_options_are_rejected_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "invalid" in capsys.readouterr().err or "must be" in capsys.readouterr().err
+
+
+def test_run_on_paper_preset_is_refused(capsys):
+    assert main(["profile", "bert-base", "--preset", "paper", "--run"]) == 2
+    assert "fake" in capsys.readouterr().err
