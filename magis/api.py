@@ -15,6 +15,7 @@ from magis.backend.runtime import run_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import LossFn, capture_timed
+from magis.ir.graph import Graph, Role
 
 
 def is_fake(model: torch.nn.Module) -> bool:
@@ -65,7 +66,7 @@ def profile(
 
 
 def measure_against_eager(
-    graph: Any,
+    graph: Graph,
     order: Sequence[str],
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
@@ -83,7 +84,8 @@ def measure_against_eager(
         reference = eager_step(model, example_inputs, loss_fn)
     eager_peak = meter.peak_bytes
     restore_buffers(model, snapshot)
-    with peak_meter(model, example_inputs) as meter:
+    constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
+    with peak_meter(model, [*example_inputs, *constants]) as meter:
         torch.manual_seed(seed)
         result = run_step(graph, model, example_inputs, order)
     restore_buffers(model, snapshot)

@@ -55,7 +55,8 @@ def test_bad_options_are_rejected_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    assert "invalid" in capsys.readouterr().err or "must be" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "invalid" in err or "must be" in err
 
 
 def test_run_on_paper_preset_is_refused(capsys):

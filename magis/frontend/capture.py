@@ -9,12 +9,12 @@ off the fake tensors so the simulator counts memory exactly as the allocator doe
 
 from __future__ import annotations
 
-import itertools
 import contextlib
+import itertools
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -57,6 +57,17 @@ def default_loss(output: Any) -> torch.Tensor:
             f"the model returned {type(output).__name__} without a .loss tensor: pass loss_fn(output) -> scalar"
         )
     return loss
+
+
+@dataclass(frozen=True, eq=False)
+class Constant:
+    """A tensor baked into the traced program (made inside ``forward``, e.g. ``torch.tensor(-inf)``)."""
+
+    value: torch.Tensor
+    __name__ = "constant"
+
+    def __call__(self) -> torch.Tensor:
+        return self.value
 
 
 class _TrainingStep(torch.nn.Module):
@@ -107,9 +118,9 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
     except CaptureError:
         raise
     except Exception as err:
-        raise CaptureError(_explain(err)) from err
-    _propagate_fake_values(gm)
-    graph = graph_from_fx(gm, sig)
+        raise CaptureError(explain_capture_failure(err)) from err
+    propagate_fake_values(gm)
+    graph = merge_tied_parameters(graph_from_fx(gm, sig), tied_parameters(model))
     return Captured(graph, time.perf_counter() - start)
 
 
@@ -140,7 +151,8 @@ def _frozen(params: list[torch.nn.Parameter]) -> Iterator[None]:
             p.requires_grad_(True)
 
 
-def _explain(err: Exception) -> str:
+def explain_capture_failure(err: Exception) -> str:
+    """A :class:`CaptureError` message naming the cause of a tracing failure."""
     text = f"{type(err).__name__}: {err}".strip()
     first = text.splitlines()[0] if text else type(err).__name__
     kind = type(err).__name__
@@ -154,7 +166,7 @@ def _explain(err: Exception) -> str:
     return f"could not capture the training step: {first}"
 
 
-def _propagate_fake_values(gm: torch.fx.GraphModule) -> None:
+def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
     """Re-run the exported graph on fresh fake tensors so ``meta['val']`` shares storage
     wherever the real run would (the exported metadata loses view relationships)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -172,13 +184,32 @@ def _unprefix(name: str) -> str:
 
 def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
     """Convert AOTAutograd's joint fx graph and its signature into a :class:`Graph`."""
+    signature = Signature(
+        parameters={k: _unprefix(v) for k, v in sig.inputs_to_parameters.items()},
+        buffers={k: _unprefix(v) for k, v in sig.inputs_to_buffers.items()},
+        user_inputs=tuple(sig.user_inputs),
+        loss=sig.user_outputs[0],
+        gradients={_unprefix(p): name for name, p in sig.backward_signature.gradients_to_parameters.items()},
+        buffer_updates={_unprefix(b): name for name, b in sig.buffers_to_mutate.items()},
+    )
+    return graph_from_step_fx(gm, signature)
+
+
+def graph_from_step_fx(gm: torch.fx.GraphModule, signature: Signature) -> Graph:
+    """Convert a functional fx graph of a whole training step into a :class:`Graph`.
+
+    ``gm`` holds forward, loss and backward, with fake values in ``meta['val']`` (see
+    :func:`propagate_fake_values`); its outputs are the step's outputs. ``signature``
+    names its parameter, buffer and user-input placeholders, the loss node, and the
+    gradient and buffer-update nodes; node roles are read from it.
+    """
     fx_nodes = list(gm.graph.nodes)
     output_node = fx_nodes[-1]
     assert output_node.op == "output"
     out_args = list(output_node.args[0])
-    grads = {_unprefix(p): name for name, p in sig.backward_signature.gradients_to_parameters.items()}
-    updates = {_unprefix(b): name for name, b in sig.buffers_to_mutate.items()}
-    loss = sig.user_outputs[0]
+    grads = signature.gradients
+    updates = signature.buffer_updates
+    loss = signature.loss
     loss_ancestors = _fx_ancestors(gm, loss)
 
     storage_owner: dict[StorageWeakRef, tuple[str, int]] = {}
@@ -189,11 +220,13 @@ def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
             target, args, kwargs = None, (), ()
             role = (
                 Role.PARAMETER
-                if fn.name in sig.inputs_to_parameters
+                if fn.name in signature.parameters
                 else Role.BUFFER
-                if fn.name in sig.inputs_to_buffers
+                if fn.name in signature.buffers
                 else Role.INPUT
             )
+        elif fn.op == "get_attr":
+            target, args, kwargs, role = Constant(getattr(gm, fn.target)), (), (), Role.CONSTANT
         elif fn.op == "call_function":
             target = fn.target
             _check_supported(fn)
@@ -245,18 +278,64 @@ def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
         )
 
     outputs = tuple(a.name for a in out_args if isinstance(a, torch.fx.Node))
-    signature = Signature(
-        parameters={k: _unprefix(v) for k, v in sig.inputs_to_parameters.items()},
-        buffers={k: _unprefix(v) for k, v in sig.inputs_to_buffers.items()},
-        user_inputs=tuple(sig.user_inputs),
-        loss=loss,
-        gradients=grads,
-        buffer_updates=updates,
-    )
     nodes = _drop_dead(nodes, set(outputs))
     randoms = [n.name for n in nodes if n.random]
     order_edges = tuple(itertools.pairwise(randoms))
     return Graph(tuple(nodes), outputs, signature, order_edges)
+
+
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """Each extra name of a shared parameter -> its first name (as ``named_parameters()`` lists it)."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def merge_tied_parameters(graph: Graph, tied: dict[str, str]) -> Graph:
+    """One input per shared parameter, and one gradient: the sum over its uses.
+
+    AOTAutograd passes a tied weight (e.g. BERT's word embeddings and MLM decoder)
+    once per name and returns a gradient per name; eager PyTorch holds one tensor
+    and accumulates one ``.grad``. Counting it twice would also double its memory.
+    """
+    if not tied:
+        return graph
+    sig = graph.signature
+    node_of = {pname: node for node, pname in sig.parameters.items()}
+    rename = {node_of[alias]: node_of[canon] for alias, canon in tied.items()}
+    grads = dict(sig.gradients)
+    outputs = list(graph.outputs)
+    added: list[Node] = []
+    for alias, canon in tied.items():
+        extra = grads.pop(alias, None)
+        if extra is None:
+            continue
+        if canon not in grads:
+            grads[canon] = extra
+            continue
+        meta = graph[grads[canon]].meta
+        total = graph.fresh_name(f"tied_grad_{len(added)}")
+        added.append(
+            Node(
+                name=total,
+                target=torch.ops.aten.add.Tensor,
+                args=(Ref(grads[canon]), Ref(extra)),
+                outputs=(TensorMeta(meta.shape, meta.dtype, meta.numel * meta.dtype.itemsize),),
+                aliases=(None,),
+                role=Role.GRADIENT,
+            )
+        )
+        outputs = [o for o in outputs if o not in (grads[canon], extra)] + [total]
+        grads[canon] = total
+    merged = graph.replace(remove=rename, add=added, rename=rename)
+    parameters = {node: name for node, name in sig.parameters.items() if node not in rename}
+    signature = replace(merged.signature, parameters=parameters, gradients=grads)
+    return Graph(merged.nodes, tuple(rename.get(o, o) for o in outputs), signature, merged.order_edges)
 
 
 def _alias_position(

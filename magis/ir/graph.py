@@ -32,6 +32,7 @@ class Role(enum.Enum):
     PARAMETER = "parameter"
     BUFFER = "buffer"
     INPUT = "input"
+    CONSTANT = "constant"  # a tensor baked into the traced program
     ACTIVATION = "activation"  # forward pass: ancestors of the loss
     LOSS = "loss"
     BACKWARD = "backward"  # backward pass intermediates
@@ -41,7 +42,7 @@ class Role(enum.Enum):
     @property
     def persistent(self) -> bool:
         """Resident for the whole step (MAGIS §2.1: parameters, inputs, buffers)."""
-        return self in (Role.PARAMETER, Role.BUFFER, Role.INPUT)
+        return self in (Role.PARAMETER, Role.BUFFER, Role.INPUT, Role.CONSTANT)
 
 
 @dataclass(frozen=True, slots=True)
