@@ -108,13 +108,14 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
     step = _TrainingStep(model, loss_fn)
     inputs = tuple(example_inputs)
     try:
-        try:
-            gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
-        except AssertionError as err:
-            if "did not receive a gradient" not in str(err):
-                raise
-            with _frozen(_parameters_without_gradient(step, inputs)):
+        with _without_stack_traces():
+            try:
                 gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+            except AssertionError as err:
+                if "did not receive a gradient" not in str(err):
+                    raise
+                with _frozen(_parameters_without_gradient(step, inputs)):
+                    gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
     except CaptureError:
         raise
     except Exception as err:
@@ -122,6 +123,17 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
     propagate_fake_values(gm)
     graph = merge_tied_parameters(graph_from_fx(gm, sig), tied_parameters(model))
     return Captured(graph, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """Tracing records a Python stack trace per node unless told not to: ~10% of capture time."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 def _parameters_without_gradient(step: _TrainingStep, inputs: tuple) -> list[torch.nn.Parameter]:

@@ -1,0 +1,19 @@
+"""Workloads of the MAGIS evaluation (§7.1) and random graphs for scheduler work (§7.3)."""
+
+from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph
+from magis.models.unet import UNet, UNetPlusPlus
+from magis.models.workloads import PRESETS, WORKLOADS, Built, HFTask, SegmentationTask, Workload, get_workload
+
+__all__ = [
+    "PRESETS",
+    "WORKLOADS",
+    "Built",
+    "HFTask",
+    "SegmentationTask",
+    "UNet",
+    "UNetPlusPlus",
+    "Workload",
+    "get_workload",
+    "random_nasnet_graph",
+    "random_randwire_graph",
+]
