@@ -1,0 +1,200 @@
+"""Simulator fidelity: simulated vs measured latency of each workload's training step (MAGIS §5).
+
+For every workload of ``magis.models.WORKLOADS`` (preset ``tiny`` by default):
+capture the step, estimate its latency with the profiled cost model of this machine
+(``magis.cost.latency.ProfiledCostModel``), run the captured graph in the same order
+through the magis runtime and time it (median of ``--runs`` steps after warm-up), and
+report the relative error (simulated - measured) / measured. The step is timed in
+wall-clock and in process CPU time: on a machine shared with other work the wall
+time includes waiting for a core, which no per-operator profile can predict. Writes
+JSON and a PNG bar chart next to it.
+
+    python bench/sim_fidelity.py [--out results/sim_fidelity.json] [--models bert-base,unet]
+                                 [--device cpu] [--threads 1] [--runs 20] [--cache PATH]
+
+The progress bar of the profiler goes to stderr; one line per workload to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from magis.backend.runtime import lower, run_program
+from magis.cost.latency import ProfiledCostModel, estimate_latency
+from magis.frontend.capture import CaptureError, capture
+from magis.models import WORKLOADS, Built
+
+
+def to_device(built: Built, device: torch.device) -> Built:
+    """The model and its tensor inputs moved to ``device``."""
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
+    return Built(built.model.to(device), inputs, built.loss_fn)
+
+
+def measure_step(
+    built: Built, graph: Any, order: list[str], device: torch.device, runs: int, warmup: int = 3
+) -> tuple[float, float]:
+    """Median wall seconds and median process CPU seconds of one training step run by the magis runtime.
+
+    On a machine shared with other work, wall time includes the time this process
+    waited for a core; CPU time does not (with one torch thread it is the step's own work).
+    """
+    program = lower(graph, order)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    wall, cpu = [], []
+    for i in range(warmup + runs):
+        sync()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        run_program(program, built.model, built.example_inputs, apply_buffer_updates=False)
+        sync()
+        if i >= warmup:
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int) -> dict[str, Any]:
+    """Simulated and measured step latency of one workload."""
+    built = to_device(WORKLOADS[name].build(preset), model.device)
+    graph = capture(built.model, built.example_inputs, built.loss_fn)
+    order = [n.name for n in graph.nodes]
+    measured_before = model.measurements
+    start = time.perf_counter()
+    simulated = estimate_latency(graph, order, model).total_s
+    profile_s = time.perf_counter() - start
+    measured, measured_cpu = measure_step(built, graph, order, model.device, runs)
+    return {
+        "model": name,
+        "nodes": len(graph),
+        "simulated_s": simulated,
+        "measured_s": measured,
+        "relative_error": (simulated - measured) / measured,
+        "measured_cpu_s": measured_cpu,
+        "relative_error_cpu": (simulated - measured_cpu) / measured_cpu,
+        "ops_timed": model.measurements - measured_before,
+        "profile_seconds": profile_s,
+    }
+
+
+def measure_all(
+    names: list[str], preset: str, model: ProfiledCostModel, runs: int
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """One row per workload that could be captured, and the reason for each that could not."""
+    rows, failures = [], {}
+    for i, name in enumerate(names, start=1):
+        try:
+            row = measure_workload(name, preset, model, runs)
+        except CaptureError as err:
+            failures[name] = str(err)
+            print(f"[{i}/{len(names)}] {name}: skipped, {err}", flush=True)
+            continue
+        rows.append(row)
+        print(
+            f"[{i}/{len(names)}] {name}: {row['nodes']} nodes, simulated {row['simulated_s'] * 1e3:.2f} ms, "
+            f"measured {row['measured_s'] * 1e3:.2f} ms (error {row['relative_error']:+.1%}), "
+            f"CPU time {row['measured_cpu_s'] * 1e3:.2f} ms (error {row['relative_error_cpu']:+.1%}) "
+            f"({row['ops_timed']} ops timed in {row['profile_seconds']:.1f} s)",
+            flush=True,
+        )
+    return rows, failures
+
+
+def plot(rows: list[dict[str, Any]], device: str, path: Path) -> None:
+    """Grouped bars per workload: simulated, measured wall and measured CPU milliseconds, errors on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = (
+        ("simulated_s", "simulated"),
+        ("measured_s", "measured (wall)"),
+        ("measured_cpu_s", "measured (CPU time)"),
+    )
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows)), 4.5))
+    for k, (field, label) in enumerate(series):
+        ax.bar([i + (k - 1) * 0.27 for i in range(len(rows))], [r[field] * 1e3 for r in rows], 0.27, label=label)
+    for i, r in enumerate(rows):
+        top = max(r[field] for field, _ in series) * 1e3
+        text = f"{r['relative_error']:+.0%} wall\n{r['relative_error_cpu']:+.0%} CPU"
+        ax.annotate(text, (i, top), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), [r["model"] for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("training step latency (ms)")
+    ax.set_title(f"magis latency simulator vs runtime ({device})")
+    ax.margins(y=0.2)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/sim_fidelity.json"))
+    parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated workload names")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared machine, multi-threaded kernels stall whenever another "
+        "process holds a core, which makes both measurements noise); 0 keeps torch's default",
+    )
+    parser.add_argument("--runs", type=int, default=20, help="timed steps per workload")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="latency cache file to use and keep (default: a fresh one, so each workload is profiled right "
+        "before its step is timed, under the same load)",
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}: choose from {', '.join(WORKLOADS)}")
+
+    with tempfile.TemporaryDirectory() as scratch:
+        model = ProfiledCostModel(args.device, cache_path=args.cache or Path(scratch) / "latency.json")
+        rows, failures = measure_all(names, args.preset, model, args.runs)
+    if not rows:
+        raise SystemExit("no workload could be measured")
+    errors = [abs(r["relative_error"]) for r in rows]
+    cpu_errors = [abs(r["relative_error_cpu"]) for r in rows]
+    report = {
+        "device": args.device,
+        "preset": args.preset,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "runs": args.runs,
+        "cache": str(args.cache) if args.cache else "fresh",
+        "mean_abs_relative_error": statistics.mean(errors),
+        "max_abs_relative_error": max(errors),
+        "mean_abs_relative_error_cpu": statistics.mean(cpu_errors),
+        "max_abs_relative_error_cpu": max(cpu_errors),
+        "workloads": rows,
+        "failed": failures,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, args.device, args.out.with_suffix(".png"))
+    print(
+        f"|error| vs wall time: mean {statistics.mean(errors):.1%}, max {max(errors):.1%}; "
+        f"vs CPU time: mean {statistics.mean(cpu_errors):.1%}, max {max(cpu_errors):.1%}"
+    )
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

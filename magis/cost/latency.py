@@ -1,0 +1,294 @@
+"""Latency of a schedule, from a per-operator cost model (MAGIS §5, "Simulator").
+
+MAGIS scores every candidate (graph, schedule) by simulating it: the memory
+timeline (:mod:`magis.cost.memory`) and the latency, the sum of the operators' run
+times on one stream. Operator times come from a :class:`CostModel`:
+
+- :class:`ProfiledCostModel` measures each distinct operator application once on
+  this machine's CPU or GPU and caches the result on disk (:mod:`magis.cost.profiler`);
+- :class:`AnalyticCostModel` prices it with a roofline over a named device's
+  datasheet figures (:mod:`magis.cost.device_profiles`), to plan for a GPU one does
+  not have.
+
+Graph inputs and ``getitem`` cost nothing. A node whose target knows its own cost
+(a fissioned region runs its parts one after another) provides
+``estimate_seconds(cost_model)`` and is asked for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from weakref import WeakKeyDictionary
+
+import torch
+from torch.utils.flop_counter import flop_registry
+from tqdm import tqdm
+
+from magis.cost.device_profiles import DEVICE_PROFILES, DeviceProfile
+from magis.cost.profiler import (
+    LatencyCache,
+    NodeStrides,
+    bind_arguments,
+    default_cache_path,
+    is_view,
+    measurable,
+    measure_device_profile,
+    measure_nodes,
+    op_key,
+    replay_strides,
+)
+from magis.ir.graph import Graph, Node
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+#: CPU kernels that compute what a registered (CUDA) kernel computes: a graph captured
+#: on CPU holds them, and the analytic model may price that graph for a GPU.
+_FLOP_ALIASES = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+
+#: measuring at least this many operators shows a progress bar.
+PROGRESS_MIN_OPS = 10
+
+
+class CostModel(Protocol):
+    """Seconds one node of a graph takes to run."""
+
+    def node_seconds(self, graph: Graph, name: str) -> float: ...
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """The simulated timeline of one schedule.
+
+    Steps run one after another on a single stream (``streams`` is all zeros); the
+    fields are per step, aligned with ``order``, so that swap transfers on a second
+    stream can later overlap with compute.
+    """
+
+    order: tuple[str, ...]
+    per_node_s: tuple[float, ...]
+    start_s: tuple[float, ...]
+    streams: tuple[int, ...]
+    total_s: float
+
+
+def estimate_latency(graph: Graph, order: Sequence[str], model: CostModel) -> LatencyProfile:
+    """Simulate running ``graph`` in ``order``, each step starting when the previous one ends."""
+    graph.check_schedule(order)
+    per_node = tuple(model.node_seconds(graph, name) for name in order)
+    start = tuple(itertools.accumulate(per_node, initial=0.0))
+    return LatencyProfile(tuple(order), per_node, start[:-1], (0,) * len(order), start[-1])
+
+
+# -------------------------------------------------------------- node work
+def is_free(node: Node) -> bool:
+    """Graph inputs and ``getitem`` of a tuple: nothing runs."""
+    return node.is_input or node.target is operator.getitem
+
+
+def _delegated_seconds(node: Node, model: CostModel) -> float | None:
+    """The cost a self-describing target (a fissioned region) reports, else ``None``."""
+    estimate = getattr(node.target, "estimate_seconds", None)
+    return float(estimate(model)) if callable(estimate) else None
+
+
+def _shape_value(graph: Graph, name: str) -> Any:
+    """A node's value as the flop formulas want it: a shape, or a tuple of shapes."""
+    node = graph[name]
+    shapes = tuple(None if m is None else m.shape for m in node.outputs)
+    return shapes if node.tuple_output else shapes[0]
+
+
+def node_flops(graph: Graph, name: str) -> int:
+    """Floating point operations of a matmul, convolution or attention node (forward or backward).
+
+    Uses the formulas of :mod:`torch.utils.flop_counter`, which count a multiply-add
+    as two FLOPs; any other operator counts as zero (it is bandwidth bound).
+    """
+    node = graph[name]
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
+    if formula is None:
+        return 0
+    # The registry wraps each formula to turn tensors into shapes (slowly, with pytree);
+    # the IR already holds shapes, so call the formula underneath.
+    formula = getattr(formula, "__wrapped__", formula)
+    args, kwargs = bind_arguments(node, lambda ref: _shape_value(graph, ref), torch.device("cpu"))
+    try:
+        return int(formula(*args, out_shape=_shape_value(graph, name), **kwargs))
+    except Exception as err:  # shapes the formula rejects (a hand-built graph): price the node by its bytes
+        log.warning("cannot count the FLOPs of %s (%s): counting none", name, err)
+        return 0
+
+
+def node_bytes(graph: Graph, name: str) -> int:
+    """Bytes a node moves through device memory: what it reads plus the storages it writes.
+
+    Each input is read once: its logical size for a slice of a larger storage, the
+    storage size for a broadcast (a stride-0 view reads each element once).
+    """
+    node = graph[name]
+    storages = graph.storages
+    sizes = graph.storage_bytes
+    read = 0
+    for ref in node.inputs:
+        for meta, storage in zip(graph[ref].outputs, storages[ref]):
+            if meta is not None and storage is not None:
+                read += min(meta.numel * meta.dtype.itemsize, sizes[storage])
+    return read + node.fresh_bytes
+
+
+def _compute_dtype(graph: Graph, node: Node) -> torch.dtype:
+    """The dtype an operator computes in: that of its first tensor input (else its output)."""
+    for ref in node.inputs:
+        for meta in graph[ref].outputs:
+            if meta is not None:
+                return meta.dtype
+    return next((m.dtype for m in node.outputs if m is not None), torch.float32)
+
+
+# -------------------------------------------------------------- the models
+@dataclass(frozen=True)
+class AnalyticCostModel:
+    """Roofline cost of each operator on a named device (MAGIS §5 cost model).
+
+    ``time = max(flops / achievable FLOP/s, bytes / achievable bandwidth) + launch overhead``;
+    inputs, ``getitem`` and views cost nothing. ``tf32_matmul`` and ``tf32_conv``
+    say whether fp32 matmuls and convolutions use TF32 tensor cores; the defaults are
+    PyTorch's (``torch.backends.cuda.matmul.allow_tf32=False``, ``torch.backends.cudnn.allow_tf32=True``).
+    """
+
+    profile: DeviceProfile
+    tf32_matmul: bool = False
+    tf32_conv: bool = True
+
+    def node_seconds(self, graph: Graph, name: str) -> float:
+        node = graph[name]
+        delegated = _delegated_seconds(node, self)
+        if delegated is not None:
+            return delegated
+        if is_free(node) or is_view(node):
+            return 0.0
+        profile = self.profile
+        memory_s = node_bytes(graph, name) / profile.bytes_per_second
+        flops = node_flops(graph, name)
+        compute_s = 0.0
+        if flops:
+            tf32 = self.tf32_conv if "conv" in node.op_name else self.tf32_matmul
+            compute_s = flops / profile.flops_per_second(_compute_dtype(graph, node), tf32)
+        return max(compute_s, memory_s) + profile.launch_overhead_s
+
+
+class ProfiledCostModel:
+    """Operator times measured on this machine (MAGIS §5: the simulator's per-op profile).
+
+    The first time a graph is priced, every distinct operator application it holds
+    that is not in the cache yet is run on random inputs of its recorded shapes,
+    dtypes and strides and timed (median of ``repeats`` samples after a warm-up); the
+    times go to a JSON cache on disk (``cache_path``, by default under
+    ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run measures nothing.
+    Views are timed too: on this device they cost their dispatch overhead. An
+    operator that cannot be run (an abstract target, or one that fails) is priced by
+    an :class:`AnalyticCostModel` over a crude roofline of this device, itself
+    measured once and cached.
+    """
+
+    def __init__(
+        self, device: str = "cpu", cache_path: Path | None = None, repeats: int = 5, progress: bool = True
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"can only profile on cpu or cuda, not {device!r}")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"CUDA is not available here: use a device profile ({', '.join(DEVICE_PROFILES)})")
+        self.cache = LatencyCache(cache_path or default_cache_path(self.device))
+        self.repeats = repeats
+        self.progress = progress
+        #: operators this instance timed (not counting the roofline benchmark).
+        self.measurements = 0
+        self._graph_seconds: WeakKeyDictionary[Graph, dict[str, float]] = WeakKeyDictionary()
+        self._fallback: AnalyticCostModel | None = None
+
+    def node_seconds(self, graph: Graph, name: str) -> float:
+        seconds = self._graph_seconds.get(graph)
+        if seconds is None:
+            seconds = self._graph_seconds[graph] = self._price(graph)
+        return seconds[name]
+
+    @property
+    def fallback(self) -> AnalyticCostModel:
+        """The analytic model for operators that cannot be measured."""
+        if self._fallback is None:
+            stored = self.cache.device_profile
+            if stored is None:
+                profile = measure_device_profile(self.device, self.repeats)
+                self.cache.device_profile = asdict(profile)
+                self.cache.save()
+            else:
+                profile = DeviceProfile(**stored)
+            self._fallback = AnalyticCostModel(profile)
+        return self._fallback
+
+    def _price(self, graph: Graph) -> dict[str, float]:
+        strides = replay_strides(graph)
+        keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
+        self._measure(graph, keys, strides)
+        return {node.name: self._seconds(graph, node, keys.get(node.name)) for node in graph.nodes}
+
+    def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
+        if is_free(node):
+            return 0.0
+        delegated = _delegated_seconds(node, self)
+        if delegated is not None:
+            return delegated
+        measured = self.cache.ops.get(key) if key is not None else None
+        return measured if measured is not None else self.fallback.node_seconds(graph, node.name)
+
+    def _measure(self, graph: Graph, keys: dict[str, str], strides: dict[str, NodeStrides]) -> None:
+        """Time every operator of ``keys`` whose key is not cached yet, then save the cache."""
+        todo = {key: name for name, key in keys.items() if key not in self.cache.ops}
+        if not todo:
+            return
+        bar = tqdm(
+            total=len(todo),
+            desc=f"magis: timing operators on {self.device}",
+            unit="op",
+            leave=False,
+            disable=not self.progress or len(todo) < PROGRESS_MIN_OPS,
+        )
+        try:
+            for name, seconds in measure_nodes(graph, list(todo.values()), strides, self.device, self.repeats):
+                self.cache.ops[keys[name]] = seconds
+                self.measurements += 1
+                bar.update()
+        finally:
+            bar.close()
+            self.cache.save()
+
+
+def cost_model(device: str | None = None) -> CostModel:
+    """The cost model for ``device``: ``"cpu"``/``"cuda"`` are profiled on this machine,
+    a :data:`DEVICE_PROFILES` name (``"h200"``, ``"a100"``...) is analytic; ``None`` is ``"cpu"``.
+
+    An analytic model uses TF32 for fp32 matmuls and convolutions as this process's
+    PyTorch settings say (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``).
+    """
+    name = (device or "cpu").lower()
+    if name in ("cpu", "cuda"):
+        return ProfiledCostModel(name)
+    if name in DEVICE_PROFILES:
+        return AnalyticCostModel(
+            DEVICE_PROFILES[name],
+            tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+            tf32_conv=torch.backends.cudnn.allow_tf32,
+        )
+    raise ValueError(f"unknown device {device!r}: use one of {', '.join(['cpu', 'cuda', *DEVICE_PROFILES])}")

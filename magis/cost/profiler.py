@@ -1,0 +1,359 @@
+"""Measure operator latencies on this machine, once, and keep them on disk (MAGIS §5).
+
+The simulator sums per-operator costs. On the local device magis measures each
+distinct operator application — op overload, input shapes, dtypes and strides,
+constant arguments, output shapes — by running it on random inputs of the recorded
+shapes, and caches the median time in a JSON file, so a later run (or another
+process on the same machine) measures nothing. This module holds that machinery:
+op keys, input materialisation, timing, the disk cache and a crude roofline of the
+local device for operators that cannot be measured. :class:`magis.cost.latency.ProfiledCostModel`
+puts it together.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import operator
+import os
+import re
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from magis.cost.device_profiles import PRECISION_OF_DTYPE, DeviceProfile
+from magis.ir.graph import Graph, Node, Ref, TensorMeta, map_refs
+
+CACHE_FORMAT = 1
+CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
+#: on CUDA, each timing sample is a burst of calls lasting about this long.
+CUDA_SAMPLE_S = 1e-3
+#: operators are timed in turns, in windows of at most this many operators whose
+#: inputs take at most this many bytes.
+WINDOW_OPS = 32
+WINDOW_BYTES = 512 * 2**20
+
+log = logging.getLogger(__name__)
+
+#: strides of each output element of a node (``None`` for a missing optional output).
+Strides = tuple[int, ...]
+NodeStrides = tuple[Strides | None, ...]
+
+
+# --------------------------------------------------------------------------- where
+def device_tag(device: torch.device) -> str:
+    """``cpu``, or ``cuda-<gpu model>``: measurements are only valid on the same kind of device."""
+    if device.type == "cuda":
+        return "cuda-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return device.type
+
+
+def default_cache_path(device: torch.device) -> Path:
+    """``$MAGIS_CACHE_DIR`` (default ``~/.cache/magis``) ``/latency-<device>-<torch>-<host hash>.json``."""
+    base = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "magis")
+    host = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+    return base / f"latency-{device_tag(device)}-{torch.__version__}-{host}.json"
+
+
+class LatencyCache:
+    """Seconds per op key (``None``: the op could not run) and the device's crude roofline.
+
+    Saving merges with what other processes wrote meanwhile and replaces the file
+    atomically, so concurrent runs never corrupt it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ops, self.device_profile = self._read()
+
+    def _read(self) -> tuple[dict[str, float | None], dict[str, Any] | None]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}, None
+        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+            return {}, None
+        return dict(data.get("ops", {})), data.get("device_profile")
+
+    def save(self) -> None:
+        ops, profile = self._read()
+        ops.update(self.ops)
+        self.ops = ops
+        self.device_profile = self.device_profile or profile
+        data = {"format": CACHE_FORMAT, "torch": torch.__version__, "device_profile": self.device_profile, "ops": ops}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
+            json.dump(data, tmp, indent=0, sort_keys=True)
+        os.replace(tmp.name, self.path)
+
+
+# ------------------------------------------------------------------ what to run
+def measurable(node: Node) -> bool:
+    """An aten operator that can be run and timed on its own."""
+    return isinstance(node.target, torch._ops.OpOverload)
+
+
+def bind_arguments(node: Node, value: Callable[[str], Any], device: torch.device) -> tuple[tuple, dict[str, Any]]:
+    """The node's ``args, kwargs`` with every :class:`Ref` replaced by ``value(name)``
+    and every device argument (of factory ops) by ``device``."""
+
+    def resolve(ref: Ref) -> Any:
+        return value(ref.name)
+
+    def place(x: Any) -> Any:  # aten schemas take a device only as a whole argument
+        return device if isinstance(x, torch.device) else x
+
+    args = tuple(place(a) for a in map_refs(node.args, resolve))
+    kwargs = {k: place(v) for k, v in map_refs(node.kwargs_dict(), resolve).items()}
+    return args, kwargs
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> Strides:
+    """Row-major strides of ``shape``."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _is_contiguous(shape: tuple[int, ...], strides: Strides) -> bool:
+    """Row-major, ignoring the stride of size-1 dimensions (it never matters)."""
+    return all(s == c for size, s, c in zip(shape, strides, contiguous_strides(shape)) if size != 1)
+
+
+def is_view(node: Node) -> bool:
+    """Every output element shares storage with an input: no data moves."""
+    return all(alias is not None for meta, alias in zip(node.outputs, node.aliases) if meta is not None)
+
+
+def replay_strides(graph: Graph) -> dict[str, NodeStrides]:
+    """The strides of every output element, replaying the graph's views on meta tensors.
+
+    The IR records shapes only, but strides decide how fast an op runs (a transposed
+    operand, a broadcast with stride 0). Views and ``getitem`` are replayed on meta
+    tensors (cheap: their meta kernels are native); every other operator is taken to
+    write contiguous outputs, as nearly all aten kernels do on contiguous inputs
+    (running them on meta would go through Python decompositions, ~1 ms each).
+    """
+    meta = torch.device("meta")
+    values: dict[str, Any] = {}
+    strides: dict[str, NodeStrides] = {}
+    for node in graph.nodes:
+        value = None
+        if node.target is operator.getitem or (measurable(node) and is_view(node)):
+            try:
+                args, kwargs = bind_arguments(node, values.__getitem__, meta)
+                value = node.target(*args, **kwargs)
+            except Exception:  # a view without a meta kernel: assume contiguous
+                value = None
+        elements = list(value) if isinstance(value, (tuple, list)) else [value]
+        if len(elements) != len(node.outputs) or not all(
+            isinstance(v, torch.Tensor) and tuple(v.shape) == m.shape
+            for v, m in zip(elements, node.outputs)
+            if m is not None
+        ):
+            elements = [None if m is None else torch.empty(m.shape, dtype=m.dtype, device=meta) for m in node.outputs]
+        values[node.name] = tuple(elements) if node.tuple_output else elements[0]
+        strides[node.name] = tuple(None if v is None else tuple(v.stride()) for v in elements)
+    return strides
+
+
+def op_key(graph: Graph, name: str, strides: Mapping[str, NodeStrides]) -> str:
+    """A stable text key for one operator application: what decides its latency.
+
+    Op overload, each input's shape, dtype and (when not contiguous) strides, the
+    constant arguments, and the output shapes; never node names.
+    """
+    node = graph[name]
+
+    def describe(input_name: str) -> str:
+        parts = []
+        for meta, stride in zip(graph[input_name].outputs, strides[input_name]):
+            if meta is None:
+                parts.append("None")
+                continue
+            layout = "" if _is_contiguous(meta.shape, stride) else f"@{list(stride)}"
+            parts.append(f"{str(meta.dtype).removeprefix('torch.')}{list(meta.shape)}{layout}")
+        return "T(" + ",".join(parts) + ")"
+
+    args, kwargs = bind_arguments(node, describe, torch.device("cpu"))
+    outputs = [None if m is None else (str(m.dtype).removeprefix("torch."), list(m.shape)) for m in node.outputs]
+    return f"{node.op_name}{args!r}{sorted(kwargs.items())!r}->{outputs!r}"
+
+
+# ----------------------------------------------------------------- how to run
+def random_tensor(meta: TensorMeta, strides: Strides | None, device: torch.device) -> torch.Tensor:
+    """A tensor of ``meta``'s shape and dtype laid out with ``strides``.
+
+    Floating point values are uniform in [0, 1) (no NaN from log/sqrt/rsqrt), integer
+    tensors are zeros so they are valid indices, bool tensors are random.
+    """
+    strides = strides if strides is not None else contiguous_strides(meta.shape)
+    span = 1 + sum((s - 1) * st for s, st in zip(meta.shape, strides)) if all(meta.shape) else 0
+    if meta.dtype.is_floating_point:
+        base = torch.rand(span, device=device).to(meta.dtype)
+    elif meta.dtype == torch.bool:
+        base = torch.randint(0, 2, (span,), device=device, dtype=torch.bool)
+    else:
+        base = torch.zeros(span, dtype=meta.dtype, device=device)
+    return base.as_strided(meta.shape, strides)
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def time_calls(fns: Sequence[Callable[[], Any]], device: torch.device, repeats: int) -> list[float]:
+    """Median seconds per call of each of ``fns`` (already warmed up), over ``repeats`` rounds.
+
+    Each round times every function once, in turn, so between two calls of one
+    operator all the others run: as in a training step, an operator finds the caches
+    full of other operators' code and data. (Timed back to back, small CPU operators
+    run several times faster than they do inside a step.) On CPU a sample is one
+    call, so a call stalled by another process does not move the median. On CUDA a
+    sample is a burst of back-to-back calls lasting about a millisecond between two
+    synchronisations, divided by its length: the throughput of a busy stream, where
+    launch overhead and kernel time overlap as they do in a real step.
+    """
+    sync = _synchronizer(device)
+    bursts = [1] * len(fns)
+    if device.type == "cuda":
+        for i, fn in enumerate(fns):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            bursts[i] = max(1, min(1000, int(CUDA_SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, calls, times in zip(fns, bursts, samples):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            times.append((time.perf_counter() - start) / calls)
+    return [statistics.median(times) for times in samples]
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds per call of ``fn`` alone, after a warm-up call (see :func:`time_calls`)."""
+    fn()
+    return time_calls([fn], device, repeats)[0]
+
+
+def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], device: torch.device) -> Callable:
+    """Node ``name`` on random inputs of its recorded shapes on ``device``, called once (warm-up).
+
+    The call resolves its :class:`Ref` arguments as the runtime's interpreter does
+    (:func:`magis.ir.graph.map_refs` over the arguments), so the time includes that
+    per-instruction cost.
+    """
+    node = graph[name]
+    inputs: dict[str, Any] = {}
+    for ref in node.inputs:
+        source = graph[ref]
+        elements = [
+            None if meta is None else random_tensor(meta, stride, device)
+            for meta, stride in zip(source.outputs, strides[ref])
+        ]
+        inputs[ref] = tuple(elements) if source.tuple_output else elements[0]
+    args, kwargs = bind_arguments(node, Ref, device)  # constants bound now, references at each call
+
+    def value(ref: Ref) -> Any:
+        return inputs[ref.name]
+
+    def call() -> Any:
+        return node.target(*map_refs(args, value), **map_refs(kwargs, value))
+
+    call()
+    _synchronizer(device)()
+    return call
+
+
+def _windows(graph: Graph, names: Sequence[str]) -> Iterator[list[str]]:
+    """``names`` in runs of at most :data:`WINDOW_OPS` nodes whose inputs take at most
+    :data:`WINDOW_BYTES` (a larger node gets a window of its own)."""
+    window: list[str] = []
+    size = 0
+    for name in names:
+        need = sum(m.nbytes for ref in graph[name].inputs for m in graph[ref].outputs if m is not None)
+        if window and (len(window) == WINDOW_OPS or size + need > WINDOW_BYTES):
+            yield window
+            window, size = [], 0
+        window.append(name)
+        size += need
+    if window:
+        yield window
+
+
+def measure_nodes(
+    graph: Graph, names: Sequence[str], strides: Mapping[str, NodeStrides], device: torch.device, repeats: int
+) -> Iterator[tuple[str, float | None]]:
+    """Seconds one run of each node of ``names`` takes on ``device``; ``None`` when it cannot run.
+
+    Nodes run on random inputs of their recorded shapes, without autograd as in the
+    runtime, timed in turns (:func:`time_calls`) in windows of a few dozen nodes;
+    results are yielded as each window completes. The random number generators are
+    left as they were: timing dropout must not shift the user's RNG stream.
+    """
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for window in _windows(graph, names):
+            calls: dict[str, Callable] = {}
+            for name in window:
+                try:
+                    calls[name] = _prepared_call(graph, name, strides, device)
+                except Exception as err:  # any op that cannot run here is priced analytically
+                    log.warning("could not time %s (%s): using the analytic estimate", graph[name].op_name, err)
+            times = dict(zip(calls, time_calls(list(calls.values()), device, repeats)))
+            del calls
+            for name in window:
+                yield name, times.get(name)
+
+
+def measure_device_profile(device: torch.device, repeats: int = 5) -> DeviceProfile:
+    """A crude roofline of ``device``, for the operators the profiler cannot run.
+
+    Peak FLOP/s per precision from a 256x256 matmul, bandwidth from copying 32 MiB,
+    launch overhead from adding two one-element tensors. The figures are achieved
+    rates, so the efficiencies are 1.
+    """
+    n = 256
+    peak_flops = {}
+    for dtype, precision in PRECISION_OF_DTYPE.items():
+        a = torch.rand(n, n, device=device).to(dtype)
+        peak_flops[precision] = 2 * n**3 / time_call(functools.partial(torch.mm, a, a), device, repeats)
+    peak_flops["tf32"] = peak_flops["fp32"]
+    block, target = torch.rand(8 * 2**20, device=device), torch.empty(8 * 2**20, device=device)
+    bandwidth = 2 * block.nbytes / time_call(functools.partial(target.copy_, block), device, repeats)
+    one = torch.ones(1, device=device)
+    launch = time_call(functools.partial(torch.add, one, one), device, repeats)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        pinned = torch.empty(block.shape, pin_memory=True)
+        host_link = block.nbytes / time_call(functools.partial(pinned.copy_, block), device, repeats)
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_link = bandwidth
+    return DeviceProfile(
+        name=device_tag(device),
+        peak_flops=peak_flops,
+        memory_bandwidth=bandwidth,
+        launch_overhead_s=launch,
+        host_link_bandwidth=host_link,
+        memory_bytes=memory,
+        compute_efficiency=1.0,
+        bandwidth_efficiency=1.0,
+        host_link_efficiency=1.0,
+    )

@@ -1,0 +1,283 @@
+"""The latency half of the simulator: FLOP and byte counts, the analytic and profiled cost models."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from magis.cost.device_profiles import DEVICE_PROFILES
+from magis.cost.latency import (
+    AnalyticCostModel,
+    LatencyProfile,
+    ProfiledCostModel,
+    cost_model,
+    estimate_latency,
+    node_bytes,
+    node_flops,
+)
+from magis.cost.profiler import default_cache_path, random_tensor, replay_strides
+from magis.frontend.capture import capture
+from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
+
+
+def order_of(graph: Graph) -> list[str]:
+    return [n.name for n in graph.nodes]
+
+
+@pytest.fixture(scope="module")
+def conv_linear() -> Graph:
+    """conv 3->4 (3x3, no bias) on 2x3x8x8, flatten, linear 256->5, sum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 5))
+    return capture(model, (torch.randn(2, 3, 8, 8),), lambda out: out.sum())
+
+
+def matmul_graph(size: int) -> Graph:
+    """Two bf16 ``size x size`` linear layers on a ``size x size`` batch, traced on fake tensors."""
+    with FakeTensorMode():
+        model = nn.Sequential(
+            nn.Linear(size, size, bias=False, dtype=torch.bfloat16),
+            nn.ReLU(),
+            nn.Linear(size, size, bias=False, dtype=torch.bfloat16),
+        )
+        x = torch.randn(size, size, dtype=torch.bfloat16)
+    return capture(model, (x,), lambda out: out.sum())
+
+
+@pytest.fixture(scope="module")
+def small_matmuls() -> Graph:
+    return matmul_graph(1024)
+
+
+@pytest.fixture(scope="module")
+def large_matmuls() -> Graph:
+    return matmul_graph(8192)
+
+
+def flops_by_op(graph: Graph) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for node in graph.nodes:
+        flops = node_flops(graph, node.name)
+        if flops:
+            out.setdefault(node.op_name, []).append(flops)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+# ------------------------------------------------------------------ counting
+def test_flops_of_captured_conv_and_linear_match_hand_counts(conv_linear: Graph) -> None:
+    conv = 2 * (2 * 4 * 8 * 8) * (3 * 3 * 3)  # 2 * output elements * (C_in * kh * kw)
+    linear = 2 * 2 * 256 * 5  # 2 * batch * in * out
+    assert flops_by_op(conv_linear) == {
+        "aten.convolution.default": [conv],
+        # the input needs no gradient: only the weight gradient, as many FLOPs as the forward
+        "aten.convolution_backward.default": [conv],
+        "aten.addmm.default": [linear],
+        "aten.mm.default": [linear, linear],  # gradients of the linear's input and weight
+    }
+
+
+def test_bytes_count_reads_and_writes_and_views_move_nothing(conv_linear: Graph) -> None:
+    relu = next(n for n in conv_linear.nodes if n.op_name == "aten.relu.default")
+    assert node_bytes(conv_linear, relu.name) == 2 * (2 * 4 * 8 * 8 * 4)
+    model = AnalyticCostModel(DEVICE_PROFILES["h200"])
+    for node in conv_linear.nodes:
+        seconds = model.node_seconds(conv_linear, node.name)
+        view = all(alias is not None for alias in node.aliases)  # t, view, expand, detach, getitem
+        assert (seconds == 0) == (node.is_input or view), node.op_name
+
+
+# ------------------------------------------------------------------ analytic
+def test_analytic_node_time_is_the_roofline(large_matmuls: Graph) -> None:
+    profile = DEVICE_PROFILES["a100"]
+    model = AnalyticCostModel(profile)
+    mm = next(n for n in large_matmuls.nodes if n.op_name == "aten.mm.default")
+    flops = node_flops(large_matmuls, mm.name)
+    assert flops == 2 * 8192**3
+    compute = flops / (profile.compute_efficiency * profile.peak_flops["bf16"])
+    memory = node_bytes(large_matmuls, mm.name) / (profile.bandwidth_efficiency * profile.memory_bandwidth)
+    assert compute > memory
+    assert model.node_seconds(large_matmuls, mm.name) == pytest.approx(compute + profile.launch_overhead_s)
+
+
+def test_analytic_latency_grows_with_size_and_ranks_devices(small_matmuls: Graph, large_matmuls: Graph) -> None:
+    totals = {}
+    for name in ("h200", "a100", "rtx3090"):
+        model = cost_model(name)
+        small = estimate_latency(small_matmuls, order_of(small_matmuls), model).total_s
+        large = estimate_latency(large_matmuls, order_of(large_matmuls), model).total_s
+        assert 0 < small < large
+        totals[name] = large
+    assert totals["h200"] < totals["a100"] < totals["rtx3090"]
+
+
+def test_fp32_matmul_uses_tensor_cores_only_with_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeTensorMode():
+        model = nn.Linear(4096, 4096, bias=False)
+        x = torch.randn(4096, 4096)
+    graph = capture(model, (x,), lambda out: out.sum())
+    order = order_of(graph)
+    ieee = estimate_latency(graph, order, AnalyticCostModel(DEVICE_PROFILES["a100"])).total_s
+    tf32 = estimate_latency(graph, order, AnalyticCostModel(DEVICE_PROFILES["a100"], tf32_matmul=True)).total_s
+    assert tf32 < ieee / 4  # 156 vs 19.5 TFLOP/s
+    assert estimate_latency(graph, order, cost_model("a100")).total_s == ieee  # PyTorch's default: no TF32
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert estimate_latency(graph, order, cost_model("a100")).total_s == tf32
+
+
+def test_estimate_latency_is_a_sequential_timeline(conv_linear: Graph) -> None:
+    order = order_of(conv_linear)
+    profile = estimate_latency(conv_linear, order, cost_model("rtx3090"))
+    assert isinstance(profile, LatencyProfile)
+    assert profile.order == tuple(order)
+    assert len(profile.per_node_s) == len(profile.start_s) == len(profile.streams) == len(order)
+    assert profile.start_s[0] == 0
+    for i in range(1, len(order)):
+        assert profile.start_s[i] == pytest.approx(profile.start_s[i - 1] + profile.per_node_s[i - 1])
+    assert profile.total_s == pytest.approx(sum(profile.per_node_s))
+    with pytest.raises(GraphError):
+        estimate_latency(conv_linear, order[::-1], cost_model("rtx3090"))
+
+
+# ------------------------------------------------------------------ devices
+def test_unknown_device_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError, match="tpu-v9") as info:
+        cost_model("tpu-v9")
+    for name in ("cpu", "cuda", "h200", "h100", "a100", "rtx3090"):
+        assert name in str(info.value)
+
+
+def test_cost_model_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAGIS_CACHE_DIR", str(tmp_path))
+    assert isinstance(cost_model("H200"), AnalyticCostModel)
+    local = cost_model()
+    assert isinstance(local, ProfiledCostModel)
+    assert local.device.type == "cpu"
+    assert local.cache.path == default_cache_path(torch.device("cpu"))
+    assert local.cache.path.parent == tmp_path
+    assert local.cache.path.name.startswith(f"latency-cpu-{torch.__version__}-")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            cost_model("cuda")
+
+
+def test_every_profile_is_complete() -> None:
+    for name, profile in DEVICE_PROFILES.items():
+        assert profile.name == name
+        assert set(profile.peak_flops) == {"fp64", "fp32", "tf32", "bf16", "fp16"}
+        assert profile.peak_flops["bf16"] >= profile.peak_flops["fp32"]
+        assert profile.memory_bandwidth > profile.host_link_bandwidth > 0
+        assert 0 < profile.compute_efficiency <= 1 and 0 < profile.bandwidth_efficiency <= 1
+
+
+# ------------------------------------------------------------------ profiler
+def test_profiler_measures_each_operator_once_and_caches_on_disk(conv_linear: Graph, tmp_path: Path) -> None:
+    path = tmp_path / "latency.json"
+    order = order_of(conv_linear)
+    first = ProfiledCostModel(cache_path=path, repeats=2)
+    timeline = estimate_latency(conv_linear, order, first)
+    assert first.measurements > 0
+    assert all(math.isfinite(s) and s >= 0 for s in timeline.per_node_s)
+    assert timeline.total_s > 0
+    assert estimate_latency(conv_linear, order, first) == timeline
+    assert first.measurements == len(json.loads(path.read_text())["ops"])
+
+    again = ProfiledCostModel(cache_path=path, repeats=2)
+    assert estimate_latency(conv_linear, order, again) == timeline
+    assert again.measurements == 0
+
+
+def test_identical_operators_are_measured_once(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    graph = capture(model, (torch.randn(4, 8),), lambda out: out.sum())
+    profiled = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2)
+    per_node = dict(zip(order_of(graph), estimate_latency(graph, order_of(graph), profiled).per_node_s))
+    addmms = [per_node[n.name] for n in graph.nodes if n.op_name == "aten.addmm.default"]
+    assert len(addmms) == 3 and len(set(addmms)) == 1
+    measured_ops = {n.op_name for n in graph.nodes if n.target is not None and n.op_name != "getitem"}
+    assert profiled.measurements < sum(1 for n in graph.nodes if n.op_name in measured_ops)
+
+
+def test_profiler_keeps_the_rng_stream(conv_linear: Graph, tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    graph = capture(model, (torch.randn(4, 8),), lambda out: out.sum())
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    estimate_latency(graph, order_of(graph), ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_random_inputs_follow_the_recorded_layout() -> None:
+    meta = TensorMeta((3, 4), torch.float32, 48)
+    transposed = random_tensor(meta, (1, 3), torch.device("cpu"))
+    assert transposed.shape == (3, 4) and transposed.stride() == (1, 3)
+    broadcast = random_tensor(meta, (0, 0), torch.device("cpu"))
+    assert broadcast.stride() == (0, 0)
+    indices = random_tensor(TensorMeta((5,), torch.int64, 40), None, torch.device("cpu"))
+    assert indices.eq(0).all()
+
+
+def test_replayed_strides_see_transposes_and_broadcasts(conv_linear: Graph) -> None:
+    strides = replay_strides(conv_linear)
+    t = next(n for n in conv_linear.nodes if n.op_name == "aten.t.default" and conv_linear[n.inputs[0]].is_input)
+    assert strides[t.name] == ((1, 256),)
+    expand = next(n for n in conv_linear.nodes if n.op_name == "aten.expand.default")
+    assert strides[expand.name] == ((0, 0),)
+
+
+# ------------------------------------------------------------------ never crash
+class Region:
+    """A stand-in for a fissioned region: it prices itself."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.asked: list[object] = []
+
+    def estimate_seconds(self, model: object) -> float:
+        self.asked.append(model)
+        return self.seconds
+
+
+def abstract_graph(region: Region) -> Graph:
+    """Inputs, an op known only by name, an aten op that cannot run on its shapes, a region."""
+    square = TensorMeta((64, 64), torch.float32, 64 * 64 * 4)
+    odd = TensorMeta((3, 5), torch.float32, 60)
+    nodes = (
+        Node("a", None, outputs=(square,), aliases=(None,), role=Role.INPUT),
+        Node("b", None, outputs=(odd,), aliases=(None,), role=Role.INPUT),
+        Node("matmul", "matmul", (Ref("a"), Ref("a")), outputs=(square,), aliases=(None,)),
+        Node("bad", torch.ops.aten.mm.default, (Ref("matmul"), Ref("b")), outputs=(odd,), aliases=(None,)),
+        Node("region", region, (Ref("bad"),), outputs=(odd,), aliases=(None,)),
+    )
+    return Graph(nodes, outputs=("region",))
+
+
+def test_abstract_and_failing_operators_fall_back_to_the_analytic_estimate(tmp_path: Path) -> None:
+    region = Region(0.25)
+    graph = abstract_graph(region)
+    order = order_of(graph)
+    analytic = estimate_latency(graph, order, cost_model("h100"))
+    assert analytic.per_node_s[:2] == (0.0, 0.0)
+    assert all(math.isfinite(s) and s > 0 for s in analytic.per_node_s[2:])
+    assert analytic.per_node_s[-1] == 0.25
+
+    path = tmp_path / "latency.json"
+    profiled = ProfiledCostModel(cache_path=path, repeats=2)
+    timeline = estimate_latency(graph, order, profiled)
+    assert all(math.isfinite(s) and s > 0 for s in timeline.per_node_s[2:])
+    assert timeline.per_node_s[-1] == 0.25
+    assert region.asked[-1] is profiled
+    assert profiled.measurements == 1  # the aten op was tried once and failed
+    cached = json.loads(path.read_text())
+    assert list(cached["ops"].values()) == [None]
+    assert cached["device_profile"]["name"] == "cpu"
+
+    again = ProfiledCostModel(cache_path=path, repeats=2)
+    assert estimate_latency(graph, order, again) == timeline
+    assert again.measurements == 0
