@@ -76,9 +76,7 @@ def _saved_tensor_hooks_traced() -> Iterator[None]:
         torch._C._autograd._saved_tensors_hooks_set_tracing(prior)
 
 
-def capture_checkpointed(
-    model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None
-) -> Graph:
+def capture_checkpointed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> Graph:
     """Trace one training step of ``model`` as eager autograd runs it, into a :class:`Graph`.
 
     For a model without saved-tensor hooks this is the graph :func:`capture` gives

@@ -1,0 +1,111 @@
+"""The yardstick: magis' peers on the seven workloads, measured (small) and simulated (paper).
+
+For every workload of ``magis.models.WORKLOADS``:
+
+- preset ``small``: every method runs for real on this machine (peak from the
+  live-tensor meter, latency by the interleaved protocol of ``magis.bench.protocol``,
+  gradients checked against eager PyTorch);
+- preset ``paper`` (Table 2 of the MAGIS paper): every method's graph goes through
+  magis' simulator, latency priced on a device profile (``h200`` by default).
+
+Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane,
+Pareto front drawn), then prints, per workload, the lowest peak ratio a peer
+reaches at no more than 10% latency overhead over eager, measured and simulated.
+
+    python bench/peers.py [--out results/peers] [--models bert-base,unet] [--presets small,paper]
+                          [--methods eager,checkpoint-block,...] [--budget 1 0.5 0.1]
+                          [--repeats 7] [--device h200]
+
+Progress lines go to stderr; the summary table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from magis.bench.compare import OVERHEAD, Comparison, best_within, compare
+from magis.bench.methods import DEFAULT_BUDGETS
+from magis.bench.plot import plot_tradeoff
+from magis.bench.protocol import DEFAULT_REPEATS
+from magis.commands.common import format_table, log
+from magis.models import WORKLOADS
+
+PRESETS = ("small", "paper")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/peers"), help="results folder")
+    parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
+    parser.add_argument("--presets", default=",".join(PRESETS), help="small (measured), paper (simulated)")
+    parser.add_argument("--methods", default=None, help="comma-separated methods (default: all registered)")
+    parser.add_argument("--budget", type=float, nargs="+", default=list(DEFAULT_BUDGETS), metavar="B")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed rounds of measured runs")
+    parser.add_argument("--device", default="h200", help="device profile of simulated latencies")
+    return parser.parse_args(argv)
+
+
+def run_one(workload: str, preset: str, args: argparse.Namespace) -> Comparison:
+    """Compare the methods on one workload at one preset and write its JSON and PNG."""
+    simulated = preset == "paper"
+    comparison = compare(
+        workload,
+        preset,
+        None if args.methods is None else args.methods.split(","),
+        args.budget,
+        simulate=simulated,
+        device=args.device if simulated else None,
+        repeats=args.repeats,
+        progress=lambda message: log(f"{workload} ({preset}): {message}"),
+    )
+    stem = args.out / f"{workload}-{preset}"
+    stem.with_suffix(".json").write_text(json.dumps(comparison.to_json(), indent=2))
+    plot_tradeoff(comparison, stem.with_suffix(".png"))
+    return comparison
+
+
+def summary_row(workload: str, results: dict[str, Comparison]) -> dict[str, str]:
+    """The best peer within the latency overhead, per preset: ``ratio (method)``."""
+    row = {"model": workload}
+    for preset, comparison in results.items():
+        best = best_within(comparison.rows)
+        label = f"{preset} ({'measured' if comparison.measured else 'simulated'})"
+        row[label] = "-" if best is None else f"{best.peak_ratio:.3f} ({best.method})"
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    models = args.models.split(",")
+    presets = args.presets.split(",")
+    unknown = [m for m in models if m not in WORKLOADS] + [p for p in presets if p not in PRESETS]
+    if unknown:
+        print(
+            f"unknown workload or preset {unknown[0]!r}: workloads {', '.join(WORKLOADS)}; presets "
+            f"{', '.join(PRESETS)}",
+            file=sys.stderr,
+        )
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for workload in models:
+        results = {}
+        for preset in presets:
+            start = time.perf_counter()
+            results[preset] = run_one(workload, preset, args)
+            log(f"{workload} ({preset}): done in {time.perf_counter() - start:.0f} s")
+        rows.append(summary_row(workload, results))
+        (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    print(f"Best peer peak ratio at <= {OVERHEAD:.0%} latency overhead over eager:")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Compare methods on one workload: peak memory and latency, each as a ratio to eager PyTorch.
+
+Measured (presets tiny and small): every method's step runs for real, through
+:mod:`magis.bench.protocol` — one metered step each, gradients checked against
+eager's, then interleaved timing rounds. Simulated (preset paper, or on request):
+every method's graph and order go through magis' memory simulator and latency
+cost model (a named device profile, ``h200`` by default).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from magis.backend.eager import max_relative_error
+from magis.backend.meter import resident_tensors
+from magis.bench import protocol
+from magis.bench.methods import DEFAULT_BUDGETS, PEER, REFERENCE, MethodUnavailable, Subject, Variant, variants
+from magis.bench.protocol import Spread
+from magis.cost.latency import CostModel, cost_model, estimate_latency
+from magis.cost.memory import simulate_memory
+
+#: largest relative gradient difference from eager PyTorch a measured method may show
+GRADIENT_TOLERANCE = 1e-4
+#: the device profile simulated figures are priced on by default
+DEFAULT_DEVICE = "h200"
+#: latency overhead under which :func:`best_within` looks for the lowest peak
+OVERHEAD = 0.10
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method's figures, and its ratios to eager's figures of the same run."""
+
+    method: str
+    peak_bytes: int
+    latency_s: float
+    peak_ratio: float
+    latency_ratio: float
+    measured: bool
+    kind: str
+    latency_ratio_q1: float | None = None  # interquartile range of the per-round ratios (measured only)
+    latency_ratio_q3: float | None = None
+    wall_s: float | None = None  # median wall-clock seconds (measured only; latency_s is on the protocol's clock)
+    max_grad_error: float | None = None  # against eager (measured only)
+
+
+@dataclass
+class Comparison:
+    """A comparison of methods on one workload at one preset."""
+
+    workload: str
+    preset: str
+    measured: bool
+    settings: dict[str, Any]
+    rows: list[Row] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # method -> why it did not run
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.workload,
+            "preset": self.preset,
+            "measured": self.measured,
+            **self.settings,
+            "rows": [asdict(r) for r in self.rows],
+            "skipped": self.skipped,
+        }
+
+
+def compare(
+    workload: str,
+    preset: str,
+    methods: Sequence[str] | None = None,
+    budgets: Sequence[float] = DEFAULT_BUDGETS,
+    *,
+    batch: int | None = None,
+    simulate: bool | None = None,
+    device: str | None = None,
+    repeats: int = protocol.DEFAULT_REPEATS,
+    warmup: int = protocol.DEFAULT_WARMUP,
+    threads: int | None = 1,
+    seed: int = protocol.DEFAULT_SEED,
+    progress: Progress | None = None,
+) -> Comparison:
+    """Run or simulate ``methods`` (default: all) on ``workload`` at ``preset``.
+
+    ``simulate`` defaults to True for the paper preset (fake weights) and False
+    otherwise; ``device`` names the cost model of simulated latencies (default
+    ``h200``). Measured runs use ``threads`` intra-op threads (``None``: torch's
+    default); with one, latency is CPU time (see :mod:`magis.bench.protocol`).
+    ``budgets`` apply to budgeted methods. Raises ValueError for an unknown
+    workload, method or device, or a budget outside ``(0, 1]``.
+    """
+    say = progress or (lambda _message: None)
+    chosen = variants(methods, budgets)
+    simulate = preset == "paper" if simulate is None else simulate
+    if not simulate and preset == "paper":
+        raise ValueError("the paper preset is built on fake tensors and can only be simulated")
+    if device is not None and not simulate:
+        raise ValueError("a device profile prices simulated latencies: simulate, or use the paper preset")
+    model = cost_model(device or DEFAULT_DEVICE) if simulate else None
+    say(f"building {workload} ({preset})")
+    subject = Subject(workload, preset, batch, seed)
+    torch._dynamo.reset()  # compiled variants of earlier comparisons must not use up dynamo's recompile limit
+    settings: dict[str, Any]
+    if model is not None:
+        settings = {"device": device or DEFAULT_DEVICE}
+        comparison = Comparison(workload, preset, False, settings)
+        _simulate_all(comparison, subject, chosen, model, say)
+    else:
+        settings = {"threads": protocol.set_threads(threads), "repeats": repeats, "warmup": warmup, "seed": seed}
+        comparison = Comparison(workload, preset, True, settings)
+        _measure_all(comparison, subject, chosen, repeats, warmup, seed, say)
+    return comparison
+
+
+def _simulate_all(
+    comparison: Comparison, subject: Subject, chosen: list[Variant], model: CostModel, say: Progress
+) -> None:
+    figures: dict[Variant, tuple[int, float]] = {}
+    for variant in chosen:
+        start = time.perf_counter()
+        try:
+            graph, order = variant.method.simulate(subject, variant.budget)
+        except MethodUnavailable as err:
+            _skip(comparison, variant, err, say)
+            continue
+        peak = simulate_memory(graph, order).peak
+        latency = estimate_latency(graph, order, model).total_s
+        figures[variant] = (peak, latency)
+        say(
+            f"{variant.name}: simulated peak {peak / 2**20:.1f} MiB, latency {latency * 1e3:.2f} ms "
+            f"({len(graph)} nodes, {time.perf_counter() - start:.1f} s)"
+        )
+    eager_peak, eager_latency = figures[chosen[0]]
+    comparison.rows = [
+        Row(v.name, peak, latency, peak / eager_peak, latency / eager_latency, False, v.method.kind)
+        for v, (peak, latency) in figures.items()
+    ]
+
+
+def _measure_all(
+    comparison: Comparison,
+    subject: Subject,
+    chosen: list[Variant],
+    repeats: int,
+    warmup: int,
+    seed: int,
+    say: Progress,
+) -> None:
+    steps: dict[Variant, protocol.Step] = {}
+    peaks: dict[Variant, int] = {}
+    errors: dict[Variant, float] = {}
+    reference = None
+    for variant in chosen:
+        start = time.perf_counter()
+        try:
+            runnable = variant.method.real(subject, variant.budget)
+        except MethodUnavailable as err:
+            _skip(comparison, variant, err, say)
+            continue
+        resident = resident_tensors(runnable.built.model, runnable.built.example_inputs)
+        peak, result = protocol.measure_peak(runnable.step, resident, seed)
+        gradients = {**result.gradients, "<loss>": result.loss}
+        reference = gradients if reference is None else reference
+        errors[variant] = max_relative_error(reference, gradients)
+        if errors[variant] > GRADIENT_TOLERANCE:
+            raise RuntimeError(
+                f"{variant.name} does not compute eager's gradients on {subject.workload} "
+                f"(largest relative difference {errors[variant]:.2g})"
+            )
+        steps[variant], peaks[variant] = runnable.step, peak
+        say(
+            f"{variant.name}: peak {peak / 2**20:.1f} MiB, gradients match eager "
+            f"(max rel. error {errors[variant]:.1g}), first step {time.perf_counter() - start:.1f} s"
+        )
+    del reference
+    say(f"timing {len(steps)} methods against {REFERENCE}: {warmup} warm-up + {repeats} rounds")
+    timings = protocol.interleaved_timings(
+        {v.name: s for v, s in steps.items()}, REFERENCE, repeats, warmup, seed, progress=say
+    )
+    comparison.settings["clock"] = timings[REFERENCE].clock
+    for variant in steps:
+        ratio = timings[variant.name].ratio
+        comparison.rows.append(
+            Row(
+                variant.name,
+                peaks[variant],
+                timings[variant.name].spread.median,
+                peaks[variant] / peaks[chosen[0]],
+                ratio.median,
+                True,
+                variant.method.kind,
+                ratio.q1,
+                ratio.q3,
+                Spread.of(timings[variant.name].wall).median,
+                errors[variant],
+            )
+        )
+
+
+def _skip(comparison: Comparison, variant: Variant, err: Exception, say: Progress) -> None:
+    if variant.name == REFERENCE:
+        raise err
+    comparison.skipped[variant.name] = str(err)
+    say(f"{variant.name}: skipped: {err}")
+
+
+def pareto_front(rows: Sequence[Row]) -> list[Row]:
+    """The rows no other row beats on both peak ratio and latency ratio, by increasing peak."""
+    front: list[Row] = []
+    for row in sorted(rows, key=lambda r: (r.peak_ratio, r.latency_ratio)):
+        if not front or row.latency_ratio < front[-1].latency_ratio:
+            front.append(row)
+    return front
+
+
+def best_within(rows: Sequence[Row], overhead: float = OVERHEAD, kind: str | None = PEER) -> Row | None:
+    """The row of ``kind`` (``None``: any) with the lowest peak at most ``overhead`` slower than eager."""
+    allowed = [r for r in rows if (kind is None or r.kind == kind) and r.latency_ratio <= 1.0 + overhead]
+    return min(allowed, key=lambda r: (r.peak_ratio, r.latency_ratio), default=None)

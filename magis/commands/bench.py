@@ -1,0 +1,75 @@
+"""``magis bench MODEL``: magis and its peers side by side, peak memory and latency against eager PyTorch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from magis.bench.compare import DEFAULT_DEVICE, compare
+from magis.bench.methods import DEFAULT_BUDGETS, METHODS
+from magis.bench.plot import plot_tradeoff
+from magis.bench.protocol import DEFAULT_REPEATS, DEFAULT_WARMUP
+from magis.commands.common import add_workload_arguments, emit, log, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated methods (default: all): {', '.join(METHODS)}; eager always runs, as the reference",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_BUDGETS),
+        metavar="B",
+        help="activation memory budgets in (0, 1] for torch.compile's partitioner "
+        f"(default: {' '.join(map(str, DEFAULT_BUDGETS))})",
+    )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="simulate instead of running (always so for the paper preset, which is on fake tensors)",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help=f"device profile that prices simulated latencies (default: {DEFAULT_DEVICE})",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=DEFAULT_REPEATS, help=f"timed rounds (default: {DEFAULT_REPEATS})"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=DEFAULT_WARMUP, help=f"warm-up rounds (default: {DEFAULT_WARMUP})"
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch intra-op threads of measured runs (default: 1, timed by CPU time; more: by wall time)",
+    )
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the memory-latency plane")
+
+
+def run(args: argparse.Namespace) -> int:
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # checkpointing warns that it turns the KV cache off
+    comparison = compare(
+        args.model,
+        args.preset,
+        methods,
+        args.budget,
+        batch=args.batch,
+        simulate=args.simulate or args.preset == "paper",
+        device=args.device,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        progress=log,
+    )
+    if args.plot:
+        log(f"plot written to {plot_tradeoff(comparison, args.plot)}")
+    emit(comparison.to_json(), args.json)
+    return 0

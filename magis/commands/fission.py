@@ -1,0 +1,142 @@
+"""``magis fission MODEL``: the F-Tree's fission candidates of a workload (MAGIS §4.3).
+
+Captures the workload, orders it for the lowest peak (:func:`magis.schedule.schedule`),
+builds the F-Tree from that order's memory hot-spots (Algorithm 1) and, for every
+candidate, simulates the graph with that one node enabled: at the smallest fission
+number and at the best one (the lowest peak, then the lowest latency). It also
+names the operators without a dimension rule that cut the largest candidates short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from magis.analysis.dgraph import DGraph, build_dgraph
+from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, FTree, build_ftree, smallest_divisor
+from magis.commands.common import add_workload_arguments, emit, load_graph, log, positive_int
+from magis.cost.latency import CostModel, cost_model, estimate_latency
+from magis.cost.memory import simulate_memory
+from magis.ir.graph import Graph
+from magis.rules.fission import FTrans, InvalidFission, fission, fissioned_order
+from magis.schedule import schedule
+
+#: largest fission number tried when looking for a candidate's best one.
+MAX_PARTS = 64
+#: how many of the largest candidates name the operators that blocked them.
+BLOCKED_SHOWN = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="latency cost model: cpu/cuda (profiled here) or a device profile (h200, h100, a100, rtx3090); "
+        "default: cpu, or h200 for the paper preset",
+    )
+    parser.add_argument("--levels", type=positive_int, default=DEFAULT_LEVELS, help="F-Tree levels L (default: 4)")
+    parser.add_argument(
+        "--schedule-seconds",
+        type=float,
+        default=10.0,
+        help="time for ordering the original graph for its lowest peak (default: 10)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    graph, capture_seconds = load_graph(args.model, args.preset, args.batch)
+    device = args.device or ("h200" if args.preset == "paper" else "cpu")
+    report = survey(graph, cost_model(device), args.levels, args.schedule_seconds)
+    emit(
+        {"model": args.model, "preset": args.preset, "device": device, "capture_seconds": capture_seconds, **report},
+        args.json,
+    )
+    return 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The simulated effect of enabling one candidate with ``parts`` parts."""
+
+    parts: int
+    peak_bytes: int
+    latency_s: float
+
+
+def survey(
+    graph: Graph, model: CostModel, levels: int = DEFAULT_LEVELS, schedule_seconds: float = 10.0
+) -> dict[str, Any]:
+    """The report of ``magis fission``: baseline, F-Tree build time, and every candidate's outcomes."""
+    log(f"ordering {len(graph)} nodes for the lowest peak")
+    order = schedule(graph, time_limit_s=schedule_seconds).order
+    profile = simulate_memory(graph, order)
+    baseline_latency = estimate_latency(graph, order, model).total_s
+    start = time.perf_counter()
+    dgraph = build_dgraph(graph)
+    tree = build_ftree(graph, profile, levels, dgraph=dgraph)
+    ftree_seconds = time.perf_counter() - start
+    log(f"F-Tree: {len(tree)} candidates in {ftree_seconds:.2f} s; simulating each")
+    rows = [_row(graph, order, dgraph, tree, i, model) for i in range(len(tree))]
+    largest = sorted(tree.candidates, key=lambda c: -len(c.nodes))[:BLOCKED_SHOWN]
+    return {
+        "nodes": len(graph),
+        "dimensions": len(dgraph.dimensions),
+        "baseline_peak_bytes": profile.peak,
+        "baseline_latency_s": baseline_latency,
+        "ftree_seconds": ftree_seconds,
+        "blocked_by": dict(Counter(op for c in largest for op in c.blocked_by).most_common()),
+        "candidates": rows,
+    }
+
+
+def _row(graph: Graph, order: tuple[str, ...], dgraph: DGraph, tree: FTree, i: int, model: CostModel) -> dict[str, Any]:
+    candidate = tree.candidates[i]
+    outcomes = outcomes_of(graph, order, dgraph, candidate, model)
+    first = outcomes[0]
+    best = min(outcomes, key=lambda o: (o.peak_bytes, o.latency_s))
+    return {
+        "index": i,
+        "parent": candidate.parent,
+        "dimension": candidate.label,
+        "length": candidate.length,
+        "nodes": len(candidate.nodes),
+        "score": candidate.score,
+        "n2_peak_bytes": first.peak_bytes,
+        "n2_latency_s": first.latency_s,
+        "n": best.parts,
+        "simulated_peak_bytes": best.peak_bytes,
+        "simulated_latency_s": best.latency_s,
+        "blocked_by": list(candidate.blocked_by),
+    }
+
+
+def outcomes_of(
+    graph: Graph, order: tuple[str, ...], dgraph: DGraph, candidate: Candidate, model: CostModel
+) -> list[Outcome]:
+    """Peak and latency with ``candidate`` enabled, for fission numbers 2 (or the smallest
+    divisor of its length), 4, 8... up to :data:`MAX_PARTS`, the region in place of its nodes."""
+    outcomes = []
+    for parts in fission_numbers(candidate.length):
+        try:
+            result = fission(graph, FTrans(candidate.axes, parts), dgraph)
+        except InvalidFission:
+            continue
+        new_order = fissioned_order(graph, order, result, candidate.nodes)
+        peak = simulate_memory(result, new_order).peak
+        outcomes.append(Outcome(parts, peak, estimate_latency(result, new_order, model).total_s))
+    return outcomes
+
+
+def fission_numbers(length: int) -> list[int]:
+    """The powers of the smallest divisor of ``length`` that divide it, up to :data:`MAX_PARTS`."""
+    base = smallest_divisor(length)
+    numbers = []
+    n = base
+    while n <= MAX_PARTS and length % n == 0:
+        numbers.append(n)
+        n *= base
+    return numbers

@@ -1,0 +1,165 @@
+"""Identity graph rewrites around concatenation (Serenity, MLSys'20, §3.3).
+
+A concatenation keeps every branch it joins alive until the concatenated tensor
+exists, and that tensor alive until its consumer ran. When the consumer is a
+convolution, the concatenation can go:
+
+- channel-wise partitioning, ``conv(cat(x_1..x_k), W) = Σ_i conv(x_i, W[:, C_i])``
+  (Serenity Eq. 3-6): each partial convolution runs as soon as its branch exists
+  and the branch can be freed right after; the partial results are summed by a
+  chain of adds (the bias goes to the first part).
+- kernel-wise partitioning for a depthwise convolution (``groups`` = input
+  channels), ``dwconv(cat(x_1..x_k), W) = cat(dwconv(x_i, W[C_i]))`` (Eq. 7-8):
+  each branch gets its own depthwise convolution, the outputs are concatenated.
+
+Each rule is a pair ``find_*(graph) -> list[Match]`` and ``apply_*(graph, match) ->
+Graph``; the rewritten graph computes the same values (up to floating-point
+summation order) and its new nodes carry output metadata computed on meta tensors.
+
+Validity in a training graph: the rewrite removes the concatenated tensor, so it
+applies only where the convolution is its *only* reader (and it is not a graph
+output). In a training step the convolution's backward also reads the
+concatenation (the saved input of the weight gradient), so there the rules find
+nothing, and gradients are never touched: they fire on forward regions whose
+convolution needs no backward (frozen weights and inputs that need no gradient)
+and on inference-style graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from magis.ir.graph import Graph, Node, Ref, TensorMeta, iter_refs, map_refs
+
+aten = torch.ops.aten
+
+CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+
+
+@dataclass(frozen=True)
+class ConcatConv:
+    """A concatenation along channels read only by a convolution."""
+
+    concat: str
+    conv: str
+    parts: tuple[str, ...]  # the concatenated nodes, in order
+    channels: tuple[int, ...]  # channels of each part
+
+
+def find_concat_conv(graph: Graph) -> list[ConcatConv]:
+    """Every ``cat`` along channels whose only reader is a dense (``groups=1``) convolution."""
+    return [m for m in _concat_convs(graph) if _conv_args(graph[m.conv])["groups"] == 1]
+
+
+def find_concat_depthwise(graph: Graph) -> list[ConcatConv]:
+    """Every ``cat`` along channels whose only reader is a depthwise convolution (``groups`` = channels)."""
+    return [m for m in _concat_convs(graph) if _conv_args(graph[m.conv])["groups"] == sum(m.channels) > 1]
+
+
+def apply_concat_conv(graph: Graph, match: ConcatConv) -> Graph:
+    """Channel-wise partitioning: one partial convolution per part, summed; the sum takes the conv's name."""
+    args = _conv_args(graph[match.conv])
+    new = _Builder(graph, match.conv)
+    total: Ref | None = None
+    start = 0
+    for i, (part, channels) in enumerate(zip(match.parts, match.channels)):
+        weight = new.add("weight", aten.slice.Tensor, (args["weight"], 1, start, start + channels))
+        bias = args["bias"] if i == 0 else None
+        partial = new.add("part", aten.convolution.default, _positional(args, Ref(part), weight, bias))
+        total = partial if total is None else new.add("sum", aten.add.Tensor, (total, partial))
+        start += channels
+    assert total is not None
+    return graph.replace(remove=[match.concat, match.conv], add=new.nodes, rename={match.conv: total.name})
+
+
+def apply_concat_depthwise(graph: Graph, match: ConcatConv) -> Graph:
+    """Kernel-wise partitioning: one depthwise convolution per part, concatenated; the cat takes the conv's name."""
+    args = _conv_args(graph[match.conv])
+    new = _Builder(graph, match.conv)
+    multiplier = graph[args["weight"].name].meta.shape[0] // args["groups"]
+    outputs: list[Ref] = []
+    start = 0
+    for part, channels in zip(match.parts, match.channels):
+        stop = start + channels * multiplier
+        weight = new.add("weight", aten.slice.Tensor, (args["weight"], 0, start, stop))
+        bias = new.add("bias", aten.slice.Tensor, (args["bias"], 0, start, stop)) if args["bias"] else None
+        outputs.append(new.add("part", aten.convolution.default, _positional(args, Ref(part), weight, bias, channels)))
+        start = stop
+    joined = new.add("cat", aten.cat.default, (outputs, 1))
+    return graph.replace(remove=[match.concat, match.conv], add=new.nodes, rename={match.conv: joined.name})
+
+
+def _concat_convs(graph: Graph) -> list[ConcatConv]:
+    """Channel concatenations read only by a (non-transposed) convolution, as its input."""
+    matches = []
+    outputs = set(graph.outputs)
+    for node in graph.nodes:
+        if node.target is not aten.cat.default or node.name in outputs:
+            continue
+        readers = graph.consumers[node.name]
+        if len(readers) != 1 or graph[readers[0]].target is not aten.convolution.default:
+            continue
+        conv = graph[readers[0]]
+        args = _conv_args(conv)
+        if args["transposed"] or args["input"] != Ref(node.name) or Ref(node.name) in (args["weight"], args["bias"]):
+            continue
+        parts, dim = _cat_args(node)
+        if len(parts) < 2 or dim % len(node.meta.shape) != 1 or len(set(parts)) != len(parts):
+            continue
+        channels = tuple(graph[p].meta.shape[1] for p in parts)
+        matches.append(ConcatConv(node.name, conv.name, parts, channels))
+    return matches
+
+
+def _cat_args(node: Node) -> tuple[tuple[str, ...], int]:
+    values = dict(zip(("tensors", "dim"), node.args)) | node.kwargs_dict()
+    tensors = values["tensors"]
+    if not all(isinstance(t, Ref) for t in tensors):
+        return (), 0
+    return tuple(t.name for t in tensors), int(values.get("dim", 0))
+
+
+def _conv_args(node: Node) -> dict[str, Any]:
+    return dict(zip(CONV_ARGS, node.args)) | node.kwargs_dict()
+
+
+def _positional(args: dict[str, Any], x: Ref, weight: Ref, bias: Ref | None, groups: int | None = None) -> tuple:
+    """Arguments of a convolution like ``args`` on other operands."""
+    changed = {"input": x, "weight": weight, "bias": bias, "groups": args["groups"] if groups is None else groups}
+    return tuple(changed.get(name, args[name]) for name in CONV_ARGS)
+
+
+class _Builder:
+    """New nodes like ``base`` (same role), named ``<base>_<kind><i>``, their metadata from meta tensors."""
+
+    def __init__(self, graph: Graph, base: str) -> None:
+        self.graph, self.base, self.like = graph, base, graph[base]
+        self.nodes: list[Node] = []
+        self.metas: dict[str, TensorMeta] = {}
+
+    def add(self, kind: str, target: Any, args: tuple) -> Ref:
+        """Append ``target(*args)``; a view of an input gets that input's storage (``aliases``)."""
+        inputs = {ref.name: _meta_tensor(self._meta(ref.name)) for ref in iter_refs(args)}
+        out = target(*map_refs(args, lambda ref: inputs[ref.name]))
+        alias = next((i for i, t in enumerate(inputs.values()) if out._base is t), None)
+        name = self._fresh(kind)
+        self.metas[name] = TensorMeta.of(out)
+        aliases = (None if alias is None else (alias, 0),)
+        self.nodes.append(Node(name, target, args, outputs=(self.metas[name],), aliases=aliases, role=self.like.role))
+        return Ref(name)
+
+    def _meta(self, name: str) -> TensorMeta:
+        return self.metas[name] if name in self.metas else self.graph[name].meta
+
+    def _fresh(self, kind: str) -> str:
+        i = 0
+        while (name := f"{self.base}_{kind}{i}") in self.graph or name in self.metas:
+            i += 1
+        return name
+
+
+def _meta_tensor(meta: TensorMeta) -> torch.Tensor:
+    return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
