@@ -42,13 +42,14 @@ def profile(
     fake = is_fake(model)
     if run and fake:
         raise ValueError("run=True needs real weights: this model is on fake or meta tensors")
+    device = device or ("h200" if fake else _local_device(model))
+    latency_model = cost_model(device)  # an unknown device fails here, before the capture
     captured = capture_timed(model, example_inputs, loss_fn)
     graph = captured.graph
     order = [n.name for n in graph.nodes]
     start = time.perf_counter()
     memory = simulate_memory(graph, order)
-    device = device or ("h200" if fake else _local_device(model))
-    latency = estimate_latency(graph, order, cost_model(device))
+    latency = estimate_latency(graph, order, latency_model)
     report: dict[str, Any] = {
         "model": type(model).__name__,
         "nodes": len(graph),

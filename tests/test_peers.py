@@ -10,10 +10,12 @@ import pytest
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
+from magis.bench.checkpointing import checkpoint_sqrt_segments
 from magis.bench.compare import Row, best_within, compare, pareto_front
 from magis.bench.methods import METHODS, PEER, Subject, variants
 from magis.bench.protocol import measure_peak
 from magis.cli import main
+from magis.commands.common import build_workload
 from magis.cost.memory import simulate_memory
 
 PEERS = [name for name, method in METHODS.items() if method.kind == PEER]
@@ -63,6 +65,19 @@ def test_checkpointing_lowers_the_measured_peak(peer_runs):
         eager = runs["eager"][0]
         assert runs["checkpoint-block"][0] < eager, workload
         assert runs["compile@0.5"][0] < eager, workload
+
+
+@pytest.mark.parametrize(
+    ("workload", "segments"),
+    [
+        ("resnet50", [2, 2]),  # four chained bottlenecks: two segments of two
+        ("unet", [1] * 9),  # pooling and skip concatenations between blocks: no chain
+    ],
+)
+def test_sqrt_segments_follow_chains_of_blocks(workload, segments):
+    built = build_workload(workload, "tiny", None)
+    found = checkpoint_sqrt_segments(built.model, built.example_inputs)
+    assert [len(s) for s in found] == segments
 
 
 def test_simulated_comparison_reports_ratios_against_eager():

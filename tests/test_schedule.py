@@ -196,13 +196,13 @@ def test_dp_timeout_and_budget_are_reported():
 )
 def test_every_scheduler_returns_a_valid_order_at_5000_nodes(graph):
     assert len(graph) > 4900
-    result = schedule(graph, time_limit_s=2.0)
+    result = schedule(graph, time_limit_s=1.0)
     assert graph.is_schedule(result.order)
     assert result.peak == peak_memory(graph, result.order) <= peak_memory(graph, [n.name for n in graph.nodes])
-    assert result.seconds < 6
+    assert result.seconds < 5
     assert graph.is_schedule(greedy_schedule(graph))
     new, touched = _remat(graph, random.Random(0))
-    assert new.is_schedule(incremental_schedule(graph, list(result.order), new, touched, time_limit_s=1.0))
+    assert new.is_schedule(incremental_schedule(graph, list(result.order), new, touched, time_limit_s=0.5))
 
 
 def _remat(graph: Graph, rng: random.Random) -> tuple[Graph, set[str]]:
@@ -296,7 +296,7 @@ def tiny(name: str) -> tuple[Built, Graph]:
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_tiny_workloads_run_optimized_orders_exactly(name):
     built, graph = tiny(name)
-    result = schedule(graph, 2.0)
+    result = schedule(graph, 1.0)
     assert result.peak <= result.stats["captured_peak"]
     _assert_runs_exactly(graph, built.model, built.example_inputs, built.loss_fn, list(result.order))
 

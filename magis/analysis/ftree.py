@@ -251,7 +251,7 @@ class HotSpotIndex:
     sizes: Mapping[StorageKey, int]
     names: tuple[str, ...]  # node of each bit
     bit: Mapping[str, int]
-    hot_bytes: Mapping[str, int]  # bytes of the hot-spot storages each node owns
+    hot: Mapping[str, tuple[StorageKey, ...]]  # the hot-spot storages each node owns
     cold: Mapping[str, tuple[StorageKey, ...]]  # storages of each node's value not in H
     cold_mask: int  # nodes whose value has a storage not in H
 
@@ -260,12 +260,16 @@ class HotSpotIndex:
         sizes = graph.storage_bytes
         names = tuple(n.name for n in graph.nodes)
         bit = {name: 1 << i for i, name in enumerate(names)}
-        hot_bytes: dict[str, int] = {}
-        for key in hotspots:
-            hot_bytes[key[0]] = hot_bytes.get(key[0], 0) + sizes[key]
+        hot: dict[str, tuple[StorageKey, ...]] = {}
+        for key in sorted(hotspots):
+            hot[key[0]] = (*hot.get(key[0], ()), key)
         cold = {n: tuple(k for k in graph.storages[n] if k is not None and k not in hotspots) for n in names}
         cold_mask = sum(bit[n] for n, keys in cold.items() if keys)
-        return HotSpotIndex(sizes, names, bit, hot_bytes, cold, cold_mask)
+        return HotSpotIndex(sizes, names, bit, hot, cold, cold_mask)
+
+    def hot_bytes(self, name: str) -> int:
+        """Bytes of the hot-spot storages node ``name`` owns."""
+        return sum(self.sizes[key] for key in self.hot.get(name, ()))
 
 
 def dominator_scores(
@@ -278,7 +282,7 @@ def dominator_scores(
     dominator tree's leaves up, so all scores cost one pass.
     """
     bit = index.bit
-    heat = {v: index.hot_bytes.get(v, 0) for v in idom}
+    heat = {v: index.hot_bytes(v) for v in idom}
     inside = dict.fromkeys(idom, 0)
     reads = {v: sum(bit[p] for p in graph[v].inputs) for v in idom}
     for v in sorted(idom, key=graph.index.__getitem__, reverse=True):  # dominated after dominator
@@ -309,9 +313,9 @@ def restrict(graph: Graph, dgraph: DGraph, axes: Mapping[str, Axis], index: HotS
     Drops nodes without a rule and random nodes, then, until nothing changes, the
     nodes :func:`_unfit` names. A sub-graph that is not convex loses either the nodes
     downstream of its escaping paths or those upstream of them, whichever keeps more
-    hot-spot bytes (a forward part and a backward part joined through the loss keep
-    the part around the peak). Of the weakly connected pieces left, keeps the one
-    holding the most hot-spot bytes.
+    hot-spot bytes inside (a forward part and a backward part joined through the loss
+    keep the part whose hot-spots the split shrinks). Of the weakly connected pieces
+    left, keeps the one holding the most hot-spot bytes inside.
     """
     keep = {n: a for n, a in axes.items() if n in dgraph.supported and not graph[n].random}
     while True:
@@ -321,18 +325,21 @@ def restrict(graph: Graph, dgraph: DGraph, axes: Mapping[str, Axis], index: HotS
             downstream = convexity_breakers(graph, inside)
             if downstream:
                 upstream = _upstream_of_escapes(graph, inside)
-                drop = min((downstream, upstream), key=lambda d: -_heat(index, inside - d))
+                drop = max((downstream, upstream), key=lambda d: inner_heat(graph, index, inside - d))
         if not drop:
             break
         keep = {n: a for n, a in keep.items() if n not in drop}
     pieces = weak_components(graph, keep)
-    best = max(pieces, key=lambda p: (_heat(index, p), len(p)), default=set())
+    best = max(pieces, key=lambda p: (inner_heat(graph, index, p), len(p)), default=set())
     return {n: keep[n] for n in best}
 
 
-def _heat(index: HotSpotIndex, nodes: set[str]) -> int:
-    """Eq. (3) of a node set: the bytes of the hot-spots it owns."""
-    return sum(index.hot_bytes.get(n, 0) for n in nodes)
+def inner_heat(graph: Graph, index: HotSpotIndex, nodes: set[str]) -> int:
+    """Bytes of the hot-spots that ``nodes`` compute and use up themselves: the ones a
+    split makes ``1/n``. A storage an output of ``nodes`` keeps (itself or through a
+    view) stays whole; Eq. (1) counts it whole too."""
+    kept = {key for name in graph.subgraph_outputs(nodes) for key in graph.storages[name] if key is not None}
+    return sum(index.sizes[key] for name in nodes for key in index.hot.get(name, ()) if key not in kept)
 
 
 def _unfit(graph: Graph, dgraph: DGraph, keep: Mapping[str, Axis]) -> set[str]:

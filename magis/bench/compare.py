@@ -72,6 +72,14 @@ class Comparison:
             "skipped": self.skipped,
         }
 
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Comparison:
+        """The comparison :meth:`to_json` wrote."""
+        fixed = {"model", "preset", "measured", "rows", "skipped"}
+        settings = {k: v for k, v in data.items() if k not in fixed}
+        rows = [Row(**r) for r in data["rows"]]
+        return Comparison(data["model"], data["preset"], data["measured"], settings, rows, dict(data["skipped"]))
+
 
 def compare(
     workload: str,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from magis.bench.compare import Comparison, pareto_front
+from magis.bench.compare import Comparison, Row, pareto_front
 
 _MARKERS = {"peer": "o", "magis": "*"}
 
@@ -23,9 +24,7 @@ def plot_tradeoff(comparison: Comparison, path: str | Path) -> Path:
             spread = [[row.latency_ratio - row.latency_ratio_q1], [row.latency_ratio_q3 - row.latency_ratio]]
             ax.errorbar(row.peak_ratio, row.latency_ratio, yerr=spread, color=color, alpha=0.5, zorder=2)
         ax.scatter(row.peak_ratio, row.latency_ratio, marker=_MARKERS.get(row.kind, "o"), s=80, color=color, zorder=3)
-        ax.annotate(
-            row.method, (row.peak_ratio, row.latency_ratio), textcoords="offset points", xytext=(6, 4), fontsize=8
-        )
+    _label_points(ax, comparison.rows)
     front = pareto_front(comparison.rows)
     ax.step(
         [r.peak_ratio for r in front],
@@ -50,3 +49,22 @@ def plot_tradeoff(comparison: Comparison, path: str | Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def _label_points(ax: Axes, rows: list[Row]) -> None:
+    """One label per distinct point (methods that coincide share it), alternately above and below."""
+    points: dict[tuple[float, float], list[str]] = {}
+    for row in rows:
+        points.setdefault((round(row.peak_ratio, 3), round(row.latency_ratio, 3)), []).append(row.method)
+    rightmost = max(x for x, _ in points)
+    for i, ((x, y), names) in enumerate(sorted(points.items())):
+        left = x == rightmost  # keep the label inside the axes
+        ax.annotate(
+            "\n".join(names),
+            (x, y),
+            textcoords="offset points",
+            xytext=(-8 if left else 8, 6 if i % 2 == 0 else -6),
+            ha="right" if left else "left",
+            va="bottom" if i % 2 == 0 else "top",
+            fontsize=8,
+        )
