@@ -76,7 +76,8 @@ def main() -> None:
         rows.append(row)
         print(
             f"[capture] {name}: {row['nodes']} nodes, capture+simulate {row['capture_simulate_seconds']:.1f} s, "
-            f"simulated peak {row['simulated_peak_bytes'] / 2**30:.2f} GiB, RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB",
+            f"simulated peak {row['simulated_peak_bytes'] / 2**30:.2f} GiB, "
+            f"RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB",
             file=sys.stderr,
             flush=True,
         )

@@ -22,7 +22,7 @@ from torch import nn
 
 from magis.analysis.dgraph import DGraph, build_dgraph, links
 from magis.analysis.dim_rules import op_dims, reshape_links, scale_sizes
-from magis.analysis.ftree import Candidate, FTree, build_ftree, smallest_divisor, unsupported_ops
+from magis.analysis.ftree import Candidate, FTree, build_ftree, next_divisor, unsupported_ops
 from magis.backend.eager import buffers_snapshot, eager_step, restore_buffers
 from magis.backend.meter import LiveTensorMeter, resident_tensors
 from magis.backend.runtime import run_step
@@ -42,7 +42,7 @@ from magis.rules.fission import (
     is_valid,
     plan_fission,
 )
-from magis.rules.ftree_mutation import apply_ftree, disable, enable, lift, mutate, mutations, next_divisor
+from magis.rules.ftree_mutation import apply_ftree, disable, enable, lift, mutate, mutations
 from magis.schedule import schedule
 
 aten = torch.ops.aten
@@ -125,7 +125,7 @@ def test_every_tiny_workload_candidate_runs_exactly_within_the_simulated_peak(wo
     by_size = sorted(range(len(tree)), key=lambda i: -len(tree.candidates[i].nodes))
     for i in spread(by_size, CANDIDATES_PER_WORKLOAD):
         candidate = tree.candidates[i]
-        f = FTrans(candidate.axes, smallest_divisor(candidate.length))
+        f = FTrans(candidate.axes, next_divisor(candidate.length, 1))
         graph = fission(workload.graph, f, workload.dgraph)
         regions = [n for n in graph.nodes if isinstance(n.target, FissionRegion)]
         assert len(regions) == 1 and regions[0].target.parts == f.parts
@@ -143,7 +143,7 @@ def test_ftree_is_a_laminar_tree_of_valid_candidates(workload):
             assert c.nodes.isdisjoint(other.nodes) or c.nodes < other.nodes or other.nodes < c.nodes
         assert not any(workload.graph[n].random for n in c.nodes)
         assert c.nodes <= workload.dgraph.supported
-        plan_fission(workload.graph, workload.dgraph, FTrans(c.axes, smallest_divisor(c.length)))
+        plan_fission(workload.graph, workload.dgraph, FTrans(c.axes, next_divisor(c.length, 1)))
 
 
 def test_nested_enabled_nodes_run_exactly(small_models):

@@ -180,7 +180,7 @@ def component_candidates(
             if _has_dominator_in(idom, v, bucket):
                 continue
             below = dominated[v] - {v}
-            axes = restrict(graph, dgraph, {n: single[n] for n in below if n in single}, index)
+            axes = restrict(graph, dgraph, {n: single[n] for n in below if n in single}, index, parts)
             candidate = _validated(graph, dgraph, axes, dimension, scores[v], v)
             if candidate is not None:
                 found.append(replace(candidate, blocked_by=unsupported_ops(graph, dgraph, below)))
@@ -307,15 +307,17 @@ def _bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def restrict(graph: Graph, dgraph: DGraph, axes: Mapping[str, Axis], index: HotSpotIndex) -> dict[str, Axis]:
+def restrict(
+    graph: Graph, dgraph: DGraph, axes: Mapping[str, Axis], index: HotSpotIndex, parts: int = 2
+) -> dict[str, Axis]:
     """The part of a candidate sub-graph an F-Trans can split well (Algorithm 1, line 15).
 
     Drops nodes without a rule and random nodes, then, until nothing changes, the
     nodes :func:`_unfit` names. A sub-graph that is not convex loses either the nodes
-    downstream of its escaping paths or those upstream of them, whichever keeps more
-    hot-spot bytes inside (a forward part and a backward part joined through the loss
-    keep the part whose hot-spots the split shrinks). Of the weakly connected pieces
-    left, keeps the one holding the most hot-spot bytes inside.
+    downstream of its escaping paths or those upstream of them, whichever leaves the
+    larger :func:`split_gain` (a forward part and a backward part joined through the
+    loss keep the one whose split lowers the peak). Of the weakly connected pieces
+    left, keeps the one with the largest gain.
     """
     keep = {n: a for n, a in axes.items() if n in dgraph.supported and not graph[n].random}
     while True:
@@ -325,21 +327,25 @@ def restrict(graph: Graph, dgraph: DGraph, axes: Mapping[str, Axis], index: HotS
             downstream = convexity_breakers(graph, inside)
             if downstream:
                 upstream = _upstream_of_escapes(graph, inside)
-                drop = max((downstream, upstream), key=lambda d: inner_heat(graph, index, inside - d))
+                drop = max((downstream, upstream), key=lambda d: split_gain(graph, index, inside - d, parts))
         if not drop:
             break
         keep = {n: a for n, a in keep.items() if n not in drop}
     pieces = weak_components(graph, keep)
-    best = max(pieces, key=lambda p: (inner_heat(graph, index, p), len(p)), default=set())
+    best = max(pieces, key=lambda p: (split_gain(graph, index, p, parts), len(p)), default=set())
     return {n: keep[n] for n in best}
 
 
-def inner_heat(graph: Graph, index: HotSpotIndex, nodes: set[str]) -> int:
-    """Bytes of the hot-spots that ``nodes`` compute and use up themselves: the ones a
-    split makes ``1/n``. A storage an output of ``nodes`` keeps (itself or through a
-    view) stays whole; Eq. (1) counts it whole too."""
+def split_gain(graph: Graph, index: HotSpotIndex, nodes: set[str], parts: int) -> float:
+    """Eq. (2) for the outputs ``nodes`` keep: the hot-spots they compute and use up
+    themselves shrink to ``1/n``; the storages their outputs keep stay whole, and those
+    that were not hot-spots (made after the peak) are now held at it."""
+    if not nodes:
+        return 0.0
     kept = {key for name in graph.subgraph_outputs(nodes) for key in graph.storages[name] if key is not None}
-    return sum(index.sizes[key] for name in nodes for key in index.hot.get(name, ()) if key not in kept)
+    inner = sum(index.sizes[key] for name in nodes for key in index.hot.get(name, ()) if key not in kept)
+    cold = {key for key in kept if key[0] in nodes and key in index.cold[key[0]]}
+    return (1 - 1 / parts) * inner - sum(index.sizes[key] for key in cold)
 
 
 def _unfit(graph: Graph, dgraph: DGraph, keep: Mapping[str, Axis]) -> set[str]:
@@ -385,7 +391,7 @@ def _validated(
     length = math.gcd(*lengths)
     if length < 2:
         return None
-    f = FTrans.of(axes, smallest_divisor(length))
+    f = FTrans.of(axes, next_divisor(length, 1))
     try:
         plan = plan_fission(graph, dgraph, f)
     except InvalidFission:
@@ -397,9 +403,10 @@ def _validated(
     return Candidate(f.axes, dimension.index, dimension.label, length, score, dominator)
 
 
-def smallest_divisor(length: int) -> int:
-    """The smallest fission number above 1 that divides ``length``."""
-    return next(d for d in range(2, length + 1) if length % d == 0)
+def next_divisor(length: int, n: int) -> int | None:
+    """The smallest divisor of ``length`` above ``n`` (None when ``n`` is the largest):
+    the next fission number of a node of that length (Mutating rule, Figure 7d)."""
+    return next((d for d in range(n + 1, length + 1) if length % d == 0), None)
 
 
 def _as_tree(found: list[Candidate]) -> FTree:

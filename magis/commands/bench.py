@@ -7,7 +7,6 @@ import logging
 
 from magis.bench.compare import DEFAULT_DEVICE, compare
 from magis.bench.methods import DEFAULT_BUDGETS, METHODS
-from magis.bench.plot import plot_tradeoff
 from magis.bench.protocol import DEFAULT_REPEATS, DEFAULT_WARMUP
 from magis.commands.common import add_workload_arguments, emit, log, positive_int
 
@@ -70,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         progress=log,
     )
     if args.plot:
+        from magis.bench.plot import plot_tradeoff  # matplotlib is optional (the "bench" extra)
+
         log(f"plot written to {plot_tradeoff(comparison, args.plot)}")
     emit(comparison.to_json(), args.json)
     return 0

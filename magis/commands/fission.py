@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from magis.analysis.dgraph import DGraph, build_dgraph
-from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, FTree, build_ftree, smallest_divisor
+from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, FTree, build_ftree, next_divisor
 from magis.commands.common import add_workload_arguments, emit, load_graph, log, positive_int
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
@@ -133,7 +133,7 @@ def outcomes_of(
 
 def fission_numbers(length: int) -> list[int]:
     """The powers of the smallest divisor of ``length`` that divide it, up to :data:`MAX_PARTS`."""
-    base = smallest_divisor(length)
+    base = next_divisor(length, 1)
     numbers = []
     n = base
     while n <= MAX_PARTS and length % n == 0:

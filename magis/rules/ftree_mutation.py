@@ -22,16 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from magis.analysis.dgraph import build_dgraph
-from magis.analysis.ftree import FTree
+from magis.analysis.ftree import FTree, next_divisor
 from magis.ir.graph import Graph
 from magis.rules.fission import fission, fissioned_order
 
 Rule = Callable[[FTree], list[FTree]]
-
-
-def next_divisor(length: int, n: int) -> int | None:
-    """The smallest divisor of ``length`` above ``n`` (None when ``n`` is the largest)."""
-    return next((d for d in range(n + 1, length + 1) if length % d == 0), None)
 
 
 def consistent(tree: FTree) -> bool:
