@@ -179,3 +179,15 @@ def test_graph_back_to_fx_code_runs_like_the_runtime(convnet):
     assert len(outs) == len(graph.outputs)
     for name, out in zip(graph.outputs, outs):
         torch.testing.assert_close(out, expected[name])
+
+
+def test_max_relative_error_sees_real_errors_not_round_off():
+    from magis.backend.eager import max_relative_error
+
+    big = torch.randn(4, 4)
+    tiny = torch.full((3,), 1e-12)
+    assert max_relative_error({"a": big, "b": tiny}, {"a": big.clone(), "b": tiny.clone()}) == 0.0
+    assert max_relative_error({"a": big, "b": tiny}, {"a": big, "b": tiny + 1e-13}) < 1e-6
+    assert max_relative_error({"a": big}, {"a": big * 1.01}) == pytest.approx(0.01, rel=1e-3)
+    assert max_relative_error({"a": big, "b": tiny}, {"a": big, "b": tiny + 1.0}) > 1.0
+    assert max_relative_error({"a": big}, {}) == float("inf")
