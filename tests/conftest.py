@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_latency_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests time operators into their own cache, never the user's ``~/.cache/magis``."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MAGIS_CACHE_DIR", str(tmp_path_factory.mktemp("magis-cache")))
+    yield
+    patch.undo()
 
 
 class ConvNet(nn.Module):

@@ -3,7 +3,7 @@
 The simulator sums per-operator costs. On the local device magis measures each
 distinct operator application — op overload, input shapes, dtypes and strides,
 constant arguments, output shapes — by running it on random inputs of the recorded
-shapes, and caches the median time in a JSON file, so a later run (or another
+shapes, and caches the fastest time in a JSON file, so a later run (or another
 process on the same machine) measures nothing. This module holds that machinery:
 op keys, input materialisation, timing, the disk cache and a crude roofline of the
 local device for operators that cannot be measured. :class:`magis.cost.latency.ProfiledCostModel`
@@ -20,7 +20,6 @@ import operator
 import os
 import re
 import socket
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -216,13 +215,15 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def time_calls(fns: Sequence[Callable[[], Any]], device: torch.device, repeats: int) -> list[float]:
-    """Median seconds per call of each of ``fns`` (already warmed up), over ``repeats`` rounds.
+    """Fastest seconds per call of each of ``fns`` (already warmed up), over ``repeats`` rounds.
 
     Each round times every function once, in turn, so between two calls of one
     operator all the others run: as in a training step, an operator finds the caches
     full of other operators' code and data. (Timed back to back, small CPU operators
     run several times faster than they do inside a step.) On CPU a sample is one
-    call, so a call stalled by another process does not move the median. On CUDA a
+    call and the fastest sample is kept: another process can only slow a call down
+    (with two threads on a shared machine, by tens of milliseconds), so the minimum
+    is the figure that repeats, and a noisy moment does not poison the cache. On CUDA a
     sample is a burst of back-to-back calls lasting about a millisecond between two
     synchronisations, divided by its length: the throughput of a busy stream, where
     launch overhead and kernel time overlap as they do in a real step.
@@ -244,7 +245,7 @@ def time_calls(fns: Sequence[Callable[[], Any]], device: torch.device, repeats: 
                 fn()
             sync()
             times.append((time.perf_counter() - start) / calls)
-    return [statistics.median(times) for times in samples]
+    return [min(times) for times in samples]
 
 
 def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
