@@ -70,9 +70,9 @@ def run_one(workload: str, preset: str, args: argparse.Namespace) -> None:
         repeats=args.repeats,
         progress=lambda message: log(f"{workload} ({preset}): {message}"),
     )
-    stem = args.out / f"{workload}-{preset}"
-    stem.with_suffix(".json").write_text(json.dumps(comparison.to_json(), indent=2))
-    plot_tradeoff(comparison, stem.with_suffix(".png"))
+    stem = f"{workload}-{preset}"  # not Path.with_suffix: "gpt-neo-1.3b" has a dot of its own
+    (args.out / f"{stem}.json").write_text(json.dumps(comparison.to_json(), indent=2))
+    plot_tradeoff(comparison, args.out / f"{stem}.png")
 
 
 def summary_row(workload: str, out: Path) -> dict[str, str]:

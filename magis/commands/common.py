@@ -25,6 +25,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser, presets: tuple[str, 
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """--device: the latency cost model."""
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="latency cost model: cpu/cuda (profiled here) or a device profile (h200, h100, a100, rtx3090); "
+        "default: this machine, or h200 for the paper preset",
+    )
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

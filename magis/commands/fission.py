@@ -17,7 +17,7 @@ from typing import Any
 
 from magis.analysis.dgraph import DGraph, build_dgraph
 from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, FTree, build_ftree, next_divisor
-from magis.commands.common import add_workload_arguments, emit, load_graph, log, positive_int
+from magis.commands.common import add_device_argument, add_workload_arguments, emit, load_graph, log, positive_int
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
@@ -32,12 +32,7 @@ BLOCKED_SHOWN = 5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument(
-        "--device",
-        default=None,
-        help="latency cost model: cpu/cuda (profiled here) or a device profile (h200, h100, a100, rtx3090); "
-        "default: cpu, or h200 for the paper preset",
-    )
+    add_device_argument(parser)
     parser.add_argument("--levels", type=positive_int, default=DEFAULT_LEVELS, help="F-Tree levels L (default: 4)")
     parser.add_argument(
         "--schedule-seconds",

@@ -5,17 +5,12 @@ from __future__ import annotations
 import argparse
 
 from magis.api import profile
-from magis.commands.common import add_workload_arguments, build_workload, emit, log
+from magis.commands.common import add_device_argument, add_workload_arguments, build_workload, emit, log
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument(
-        "--device",
-        default=None,
-        help="latency cost model: cpu/cuda (profiled here) or a device profile (h200, h100, a100, rtx3090); "
-        "default: this machine, or h200 for the paper preset",
-    )
+    add_device_argument(parser)
     parser.add_argument("--run", action="store_true", help="also run the step for real and measure it")
 
 
