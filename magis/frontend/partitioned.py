@@ -33,6 +33,7 @@ Three choices, all to keep the peer computing eager PyTorch's step:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -187,12 +188,13 @@ def stitch(
     root = torch.nn.Module()  # holds the constants the graphs read (get_attr)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}  # forward or backward node -> stitched node
+    constants = itertools.count()
 
     def copy(node: torch.fx.Node, source: torch.fx.GraphModule) -> torch.fx.Node:
         if node.op != "get_attr":
             return graph.node_copy(node, env.__getitem__)
-        name = f"constant_{len(root._buffers)}"
-        root.register_buffer(name, getattr(source, node.target))
+        name = f"constant_{next(constants)}"  # the two graphs may use the same attribute names
+        setattr(root, name, getattr(source, node.target))
         new = graph.get_attr(name)
         new.meta = dict(node.meta)
         return new
@@ -230,10 +232,11 @@ def stitch(
     graph.output((loss, *grads.values(), *updates.values()))
     gm = torch.fx.GraphModule(root, graph)
     propagate_fake_values(gm)
+    inputs = [env[p].name for p in placeholders]
     signature = Signature(
-        parameters={placeholders[i].name: name for i, name in enumerate(parameters)},
-        buffers={placeholders[n_params + i].name: name for i, name in enumerate(buffers)},
-        user_inputs=tuple(p.name for p in placeholders[n_state:]),
+        parameters=dict(zip(inputs, parameters)),
+        buffers=dict(zip(inputs[n_params:], buffers)),
+        user_inputs=tuple(inputs[n_state:]),
         loss=loss.name,
         gradients={name: node.name for name, node in grads.items()},
         buffer_updates={name: node.name for name, node in updates.items()},
