@@ -43,6 +43,7 @@ from magis.rules.fission import (
     plan_fission,
 )
 from magis.rules.ftree_mutation import apply_ftree, disable, enable, lift, mutate, mutations
+from magis.rules.separable import make_separable
 from magis.schedule import schedule
 
 aten = torch.ops.aten
@@ -76,8 +77,12 @@ class Captured:
         return {**step.gradients, "<loss>": step.loss}
 
 
-def captured(built: Built) -> Captured:
+def captured(built: Built, separable: bool = False) -> Captured:
+    """The step of ``built`` captured (and made separable along its samples, as ``magis
+    fission`` does, when ``separable``), in captured order, with its D-Graph and F-Tree."""
     graph = capture(built.model, built.example_inputs, built.loss_fn)
+    if separable:
+        graph = make_separable(graph)
     order = tuple(n.name for n in graph.nodes)
     profile = simulate_memory(graph, order)
     dgraph = build_dgraph(graph)
@@ -109,7 +114,7 @@ def assert_runs_like_eager(c: Captured, graph: Graph, order: tuple[str, ...]) ->
 # ---------------------------------------------------------------- workloads
 @pytest.fixture(scope="module", params=sorted(WORKLOADS))
 def workload(request) -> Captured:
-    return captured(in_float64(WORKLOADS[request.param].build("tiny", seed=0)))
+    return captured(in_float64(WORKLOADS[request.param].build("tiny", seed=0)), separable=True)
 
 
 def spread(items: list, k: int) -> list:

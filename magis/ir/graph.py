@@ -15,10 +15,11 @@ per storage, never per view, exactly as the allocator sees it.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import hashlib
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -47,15 +48,22 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
-    """Shape, dtype and storage size of one output element."""
+    """Shape, dtype and storage size of one output element, and its strides when known.
+
+    ``strides`` is the layout capture saw (``None`` for a tensor a rule made without
+    deriving it): kernels whose result depends on the layout, such as the order in
+    which dropout draws its mask, are rewritten only where it is known.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
+    strides: tuple[int, ...] | None = None
 
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(int(s) for s in tensor.shape), tensor.dtype, tensor_nbytes(tensor))
+        shape = tuple(int(s) for s in tensor.shape)
+        return TensorMeta(shape, tensor.dtype, tensor_nbytes(tensor), tuple(int(s) for s in tensor.stride()))
 
     @property
     def numel(self) -> int:
@@ -324,12 +332,15 @@ class Graph:
         add: Sequence[Node] = (),
         rename: dict[str, str] | None = None,
         order_edges: tuple[tuple[str, str], ...] | None = None,
+        in_place_of: Mapping[str, str] | None = None,
     ) -> Graph:
         """A new graph without ``remove``, with ``add`` inserted, and references renamed.
 
         ``rename`` maps an old node name to the node that now provides its value (for
         every consumer, the outputs and the signature). New nodes are placed right
-        after the last of their inputs so the node list stays topologically sorted.
+        after the last of their inputs so the node list stays topologically sorted;
+        ``in_place_of[new] = old`` places a new node no earlier than where ``old`` was
+        (a node that takes a removed one's place in the chain of random ops).
         """
         rename = rename or {}
         removed = set(remove)
@@ -342,7 +353,11 @@ class Graph:
             for n in self.nodes
             if n.name not in removed
         ]
-        nodes = topological_merge(kept, list(add))
+        kept_positions = [self.index[n.name] for n in kept]
+        floors = {
+            new: bisect.bisect_left(kept_positions, self.index[old]) - 1 for new, old in (in_place_of or {}).items()
+        }
+        nodes = topological_merge(kept, list(add), floors)
         sig = self.signature
         if rename:
             sig = replace(
@@ -404,12 +419,14 @@ def _reach(start: str, edges: dict[str, tuple[str, ...]]) -> set[str]:
     return seen
 
 
-def topological_merge(kept: list[Node], added: list[Node]) -> list[Node]:
+def topological_merge(kept: list[Node], added: list[Node], floors: Mapping[str, int] | None = None) -> list[Node]:
     """Sort ``kept`` (already in order) plus ``added`` topologically.
 
     Kept nodes keep their relative order; each added node goes right after the last
-    of its inputs (ties broken by the order it was given in).
+    of its inputs, or after ``kept[floors[name]]`` if that is later (ties broken by
+    the order it was given in).
     """
+    floors = floors or {}
     nodes = kept + added
     by_name = {n.name: n for n in nodes}
     missing = {p for n in added for p in n.inputs if p not in by_name}
@@ -418,6 +435,7 @@ def topological_merge(kept: list[Node], added: list[Node]) -> list[Node]:
     priority: dict[str, tuple[float, int]] = {n.name: (float(i), 0) for i, n in enumerate(kept)}
     for j, n in enumerate(added, start=1):
         last = max((priority[p][0] for p in n.inputs if p in priority), default=-1.0)
+        last = max(last, float(floors.get(n.name, -1)))
         priority[n.name] = (last + 0.5, j)
     indeg = {n.name: len(n.inputs) for n in nodes}
     users: dict[str, list[str]] = {n.name: [] for n in nodes}

@@ -14,7 +14,7 @@ Neither has a class in transformers, so they are written here after their papers
   X[i+1][j-1]; the prediction comes from X[0][depth] (no deep supervision). Base
   width 32 as in the authors' reference implementation (filters 32-64-128-256-512).
 
-Both use conv-BatchNorm-ReLU blocks and take ``width`` and ``depth`` so that small
+Both use conv-ReLU blocks and take ``width`` and ``depth`` so that small
 presets can shrink them; both return per-pixel class logits ``(N, classes, H, W)``.
 The height and width of the input must be divisible by ``2**depth``.
 """
@@ -26,15 +26,14 @@ from torch import nn
 
 
 class DoubleConv(nn.Sequential):
-    """(3x3 convolution, BatchNorm, ReLU) twice: the basic block of both networks."""
+    """(3x3 convolution, ReLU) twice: the basic block of both networks (no batch
+    normalisation, as in both papers and in the networks MAGIS evaluates)."""
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__(
-            nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels),
+            nn.Conv2d(in_channels, out_channels, 3, padding=1),
             nn.ReLU(inplace=True),
-            nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels),
+            nn.Conv2d(out_channels, out_channels, 3, padding=1),
             nn.ReLU(inplace=True),
         )
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from magis.ir.graph import Graph, Node, Ref, TensorMeta, iter_refs, map_refs
+from magis.ir.graph import Graph, Node, Ref
+from magis.rules.builder import NodeBuilder
 
 aten = torch.ops.aten
 
@@ -62,7 +63,7 @@ def find_concat_depthwise(graph: Graph) -> list[ConcatConv]:
 def apply_concat_conv(graph: Graph, match: ConcatConv) -> Graph:
     """Channel-wise partitioning: one partial convolution per part, summed; the sum takes the conv's name."""
     args = _conv_args(graph[match.conv])
-    new = _Builder(graph, match.conv)
+    new = NodeBuilder(graph, match.conv)
     total: Ref | None = None
     start = 0
     for i, (part, channels) in enumerate(zip(match.parts, match.channels)):
@@ -78,7 +79,7 @@ def apply_concat_conv(graph: Graph, match: ConcatConv) -> Graph:
 def apply_concat_depthwise(graph: Graph, match: ConcatConv) -> Graph:
     """Kernel-wise partitioning: one depthwise convolution per part, concatenated; the cat takes the conv's name."""
     args = _conv_args(graph[match.conv])
-    new = _Builder(graph, match.conv)
+    new = NodeBuilder(graph, match.conv)
     multiplier = graph[args["weight"].name].meta.shape[0] // args["groups"]
     outputs: list[Ref] = []
     start = 0
@@ -130,36 +131,3 @@ def _positional(args: dict[str, Any], x: Ref, weight: Ref, bias: Ref | None, gro
     """Arguments of a convolution like ``args`` on other operands."""
     changed = {"input": x, "weight": weight, "bias": bias, "groups": args["groups"] if groups is None else groups}
     return tuple(changed.get(name, args[name]) for name in CONV_ARGS)
-
-
-class _Builder:
-    """New nodes like ``base`` (same role), named ``<base>_<kind><i>``, their metadata from meta tensors."""
-
-    def __init__(self, graph: Graph, base: str) -> None:
-        self.graph, self.base, self.like = graph, base, graph[base]
-        self.nodes: list[Node] = []
-        self.metas: dict[str, TensorMeta] = {}
-
-    def add(self, kind: str, target: Any, args: tuple) -> Ref:
-        """Append ``target(*args)``; a view of an input gets that input's storage (``aliases``)."""
-        inputs = {ref.name: _meta_tensor(self._meta(ref.name)) for ref in iter_refs(args)}
-        out = target(*map_refs(args, lambda ref: inputs[ref.name]))
-        alias = next((i for i, t in enumerate(inputs.values()) if out._base is t), None)
-        name = self._fresh(kind)
-        self.metas[name] = TensorMeta.of(out)
-        aliases = (None if alias is None else (alias, 0),)
-        self.nodes.append(Node(name, target, args, outputs=(self.metas[name],), aliases=aliases, role=self.like.role))
-        return Ref(name)
-
-    def _meta(self, name: str) -> TensorMeta:
-        return self.metas[name] if name in self.metas else self.graph[name].meta
-
-    def _fresh(self, kind: str) -> str:
-        i = 0
-        while (name := f"{self.base}_{kind}{i}") in self.graph or name in self.metas:
-            i += 1
-        return name
-
-
-def _meta_tensor(meta: TensorMeta) -> torch.Tensor:
-    return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
