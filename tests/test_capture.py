@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import magis
 from magis.api import measure_against_eager
 from magis.cost.memory import simulate_memory
-from magis.frontend.capture import CaptureError
+from magis.frontend.capture import CaptureError, draws_random_numbers
 from magis.ir import Graph, Role
 
 
@@ -37,6 +37,31 @@ def test_random_ops_keep_their_relative_order(mlp):
     randoms = [n.name for n in graph.nodes if n.random]
     assert len(randoms) == 2
     assert graph.order_edges == ((randoms[0], randoms[1]),)
+
+
+class Attention(nn.Module):
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.dropout_p = dropout_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p).sum()
+
+
+def test_fused_attention_is_random_only_with_dropout():
+    """Fused attention ops are tagged as seeded; without dropout they draw nothing."""
+    graph = magis.capture(Attention(0.0), (torch.randn(2, 5, 8),))
+    attention = [n for n in graph.nodes if "attention" in n.op_name]
+    assert attention and not any(n.random for n in graph.nodes)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(1, 1, 2, 2)
+    assert not draws_random_numbers(flash, (q, q, q), {})
+    assert not draws_random_numbers(flash, (q, q, q, 0.0), {})
+    assert draws_random_numbers(flash, (q, q, q), {"dropout_p": 0.1})
+    assert draws_random_numbers(torch.ops.aten.native_dropout.default, (q, 0.0, True), {})
+    assert not draws_random_numbers(torch.ops.aten.mm.default, (q, q), {})
 
 
 @pytest.mark.parametrize("fixture", ["convnet", "mlp"])

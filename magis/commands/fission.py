@@ -139,11 +139,12 @@ def outcomes_of(
 
 
 def fission_numbers(length: int) -> list[int]:
-    """The powers of the smallest divisor of ``length`` that divide it, up to :data:`MAX_PARTS`."""
+    """The powers of the smallest divisor of ``length`` that divide it, up to :data:`MAX_PARTS`
+    (the smallest divisor itself even above it: a prime length such as ViT's 197 tokens)."""
     base = next_divisor(length, 1)
     numbers = []
     n = base
-    while n <= MAX_PARTS and length % n == 0:
+    while (n <= MAX_PARTS or not numbers) and length % n == 0:
         numbers.append(n)
         n *= base
     return numbers

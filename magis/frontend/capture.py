@@ -274,7 +274,7 @@ def graph_from_step_fx(gm: torch.fx.GraphModule, signature: Signature) -> Graph:
                 aliases.append(_alias_position(root, inputs, elements, fn))
                 roots.append(root)
         elements[fn.name] = tuple(roots)
-        random = target is not None and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+        random = draws_random_numbers(target, fn.args, fn.kwargs)
         nodes.append(
             Node(
                 name=fn.name,
@@ -294,6 +294,20 @@ def graph_from_step_fx(gm: torch.fx.GraphModule, signature: Signature) -> Graph:
     randoms = [n.name for n in nodes if n.random]
     order_edges = tuple(itertools.pairwise(randoms))
     return Graph(tuple(nodes), outputs, signature, order_edges)
+
+
+def draws_random_numbers(target: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether the op reads the random stream: it is tagged ``nondeterministic_seeded``,
+    unless its randomness is a ``dropout_p`` argument that is zero (fused attention
+    without dropout draws nothing, and so may be split or recomputed like any op)."""
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    position = names.index("dropout_p")
+    dropout_p = args[position] if position < len(args) else kwargs.get("dropout_p", 0.0)
+    return dropout_p != 0
 
 
 def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
