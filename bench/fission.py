@@ -63,14 +63,10 @@ def measure(name: str, device: str, schedule_seconds: float) -> dict[str, Any]:
 
 
 def best_within_overhead(rows: list[dict[str, Any]], base_peak: int, base_latency: float) -> dict[str, Any]:
-    """The lowest peak of one candidate (at n=2 or its best n) costing at most
+    """The lowest peak of one candidate at one fission number costing at most
     :data:`OVERHEAD` more latency than the ordered original; the original itself if none."""
-    from magis.analysis.ftree import next_divisor
-
     outcomes = [(base_peak, base_latency, None, 1)]
-    for r in rows:
-        outcomes.append((r["n2_peak_bytes"], r["n2_latency_s"], r["index"], next_divisor(r["length"], 1)))
-        outcomes.append((r["simulated_peak_bytes"], r["simulated_latency_s"], r["index"], r["n"]))
+    outcomes += [(o["peak_bytes"], o["latency_s"], r["index"], o["n"]) for r in rows for o in r["outcomes"]]
     fitting = [o for o in outcomes if o[1] <= (1 + OVERHEAD) * base_latency]
     peak, latency, index, parts = min(fitting, key=lambda o: (o[0], o[1]))
     return {

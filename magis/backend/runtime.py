@@ -72,9 +72,7 @@ def lower(graph: Graph, order: Sequence[str] | None = None) -> Program:
         node = graph[name]
         if node.is_input:
             continue
-        instructions.append(
-            Instruction(name, node.target, node.args, dict(node.kwargs), tuple(frees.get(i, ())))
-        )
+        instructions.append(Instruction(name, node.target, node.args, dict(node.kwargs), tuple(frees.get(i, ()))))
     return Program(graph, order, tuple(instructions))
 
 

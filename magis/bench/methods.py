@@ -28,6 +28,9 @@ magis:
 
 - ``magis-captured`` — the captured graph run by the magis runtime in captured order.
 - ``magis-scheduled`` — the same graph in the memory-optimal order of :func:`magis.schedule.schedule`.
+- ``magis-fission`` — the step made separable along its samples with one F-Tree node
+  enabled (:func:`magis.search.single_fission.best_single_fission`): the fewest parts
+  whose simulated peak is within ``budget`` times the scheduled peak (``magis-fission@0.5``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from magis.frontend.partitioned import (
 )
 from magis.ir.graph import Graph
 from magis.models import Built
+from magis.search.single_fission import SingleFission, choose_within, single_fission_options
 
 #: what ``simulate`` returns: a graph and the order of its nodes the method runs
 Simulated = tuple[Graph, Sequence[str]]
@@ -99,6 +103,15 @@ class Subject:
     def graph(self) -> Graph:
         """The training step captured by :func:`magis.frontend.capture.capture`."""
         return capture(self.built.model, self.inputs, self.built.loss_fn)
+
+    @cached_property
+    def single_fissions(self) -> list[SingleFission]:
+        """The scheduled step and each single fission of it (one enumeration for every budget)."""
+        return single_fission_options(self.graph, self.scheduled_order)
+
+    def single_fission(self, budget: float) -> SingleFission:
+        """magis' best single fission within ``budget`` times the scheduled peak."""
+        return choose_within(self.single_fissions, int(budget * self.single_fissions[0].peak_bytes))
 
     @cached_property
     def scheduled_order(self) -> tuple[str, ...]:
@@ -187,9 +200,9 @@ def _eager(built: Built) -> Runnable:
     return Runnable(step, built)
 
 
-def _runtime(subject: Subject, order: Sequence[str]) -> Runnable:
-    """The captured graph run by the magis runtime in ``order``."""
-    program = lower(subject.graph, order)
+def _runtime(subject: Subject, order: Sequence[str], graph: Graph | None = None) -> Runnable:
+    """``graph`` (default: the captured one) run by the magis runtime in ``order``."""
+    program = lower(subject.graph if graph is None else graph, order)
 
     def step(scope: AbstractContextManager) -> StepResult:
         with scope:
@@ -267,6 +280,18 @@ def _scheduled_simulate(subject: Subject, _budget: float | None) -> Simulated:
     return subject.graph, subject.scheduled_order
 
 
+def _fission_real(subject: Subject, budget: float | None) -> Runnable:
+    assert budget is not None
+    chosen = subject.single_fission(budget)
+    return _runtime(subject, chosen.order, chosen.graph)
+
+
+def _fission_simulate(subject: Subject, budget: float | None) -> Simulated:
+    assert budget is not None
+    chosen = subject.single_fission(budget)
+    return chosen.graph, chosen.order
+
+
 register(Method("eager", "eager PyTorch: forward, loss, backward()", PEER, _eager_real, _eager_simulate))
 register(
     Method(
@@ -296,3 +321,13 @@ register(
 )
 register(Method("magis-captured", "magis runtime, captured order", MAGIS, _captured_real, _eager_simulate))
 register(Method("magis-scheduled", "magis runtime, memory-optimal order", MAGIS, _scheduled_real, _scheduled_simulate))
+register(
+    Method(
+        "magis-fission",
+        "magis runtime, the step made separable with one fissioned region: fewest parts within budget x scheduled peak",
+        MAGIS,
+        _fission_real,
+        _fission_simulate,
+        budgeted=True,
+    )
+)

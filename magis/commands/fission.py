@@ -18,17 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from magis.analysis.dgraph import DGraph, build_dgraph
-from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, FTree, build_ftree, next_divisor
+from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, FTree, build_ftree
 from magis.commands.common import add_device_argument, add_workload_arguments, emit, load_graph, log, positive_int
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
-from magis.rules.fission import FTrans, InvalidFission, fission, fissioned_order
 from magis.rules.separable import make_separable
 from magis.schedule import schedule
+from magis.search.single_fission import single_fissions
 
-#: largest fission number tried when looking for a candidate's best one.
-MAX_PARTS = 64
 #: how many of the largest candidates name the operators that blocked them.
 BLOCKED_SHOWN = 5
 
@@ -49,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     graph, capture_seconds = load_graph(args.model, args.preset, args.batch)
     device = args.device or ("h200" if args.preset == "paper" else "cpu")
     report = survey(graph, cost_model(device), args.levels, args.schedule_seconds)
+    if not args.json:  # the table shows n=2 and the best n; the JSON has every fission number tried
+        report["candidates"] = [{k: v for k, v in row.items() if k != "outcomes"} for row in report["candidates"]]
     emit(
         {"model": args.model, "preset": args.preset, "device": device, "capture_seconds": capture_seconds, **report},
         args.json,
@@ -118,6 +118,7 @@ def _row(graph: Graph, order: tuple[str, ...], dgraph: DGraph, tree: FTree, i: i
         "simulated_peak_bytes": best.peak_bytes,
         "simulated_latency_s": best.latency_s,
         "blocked_by": list(candidate.blocked_by),
+        "outcomes": [{"n": o.parts, "peak_bytes": o.peak_bytes, "latency_s": o.latency_s} for o in outcomes],
     }
 
 
@@ -125,26 +126,8 @@ def outcomes_of(
     graph: Graph, order: tuple[str, ...], dgraph: DGraph, candidate: Candidate, model: CostModel
 ) -> list[Outcome]:
     """Peak and latency with ``candidate`` enabled, for fission numbers 2 (or the smallest
-    divisor of its length), 4, 8... up to :data:`MAX_PARTS`, the region in place of its nodes."""
-    outcomes = []
-    for parts in fission_numbers(candidate.length):
-        try:
-            result = fission(graph, FTrans(candidate.axes, parts), dgraph)
-        except InvalidFission:
-            continue
-        new_order = fissioned_order(graph, order, result, candidate.nodes)
-        peak = simulate_memory(result, new_order).peak
-        outcomes.append(Outcome(parts, peak, estimate_latency(result, new_order, model).total_s))
-    return outcomes
-
-
-def fission_numbers(length: int) -> list[int]:
-    """The powers of the smallest divisor of ``length`` that divide it, up to :data:`MAX_PARTS`
-    (the smallest divisor itself even above it: a prime length such as ViT's 197 tokens)."""
-    base = next_divisor(length, 1)
-    numbers = []
-    n = base
-    while (n <= MAX_PARTS or not numbers) and length % n == 0:
-        numbers.append(n)
-        n *= base
-    return numbers
+    divisor of its length), 4, 8... (:func:`magis.search.single_fission.fission_numbers`)."""
+    return [
+        Outcome(option.parts, option.peak_bytes, estimate_latency(option.graph, option.order, model).total_s)
+        for option in single_fissions(graph, order, dgraph, candidate)
+    ]

@@ -1,0 +1,124 @@
+"""The best single fission under a memory limit: one F-Tree node enabled (MAGIS §4.3, §5.1).
+
+The first level of the search of MAGIS Algorithm 3 restricted to fission: from the
+F-Tree of a step made separable along its samples (:mod:`magis.rules.separable`),
+every state with exactly one enabled node (the Enable rule, then Mutate through the
+fission numbers), simulated in the order carried over from the step's schedule.
+
+:func:`best_single_fission` picks, among the states whose simulated peak fits the
+limit, the one with the fewest parts (the least overhead: fewer, larger kernels and
+fewer partial results to add up), then the lowest peak; when none fits, the lowest
+peak. It is what ``magis-fission`` runs in the yardstick (:mod:`magis.bench.methods`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from magis.analysis.dgraph import DGraph, build_dgraph
+from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, build_ftree, next_divisor
+from magis.cost.memory import simulate_memory
+from magis.ir.graph import Graph
+from magis.rules.fission import FTrans, InvalidFission, fission, fissioned_order
+from magis.rules.separable import make_separable
+
+#: largest fission number tried for a candidate (beyond its smallest divisor).
+MAX_PARTS = 64
+
+
+@dataclass(frozen=True, eq=False)
+class SingleFission:
+    """A step with one region (or none: ``parts == 1``), its order and simulated peak."""
+
+    graph: Graph
+    order: tuple[str, ...]
+    peak_bytes: int
+    parts: int = 1
+    candidate: Candidate | None = None
+
+
+def fission_numbers(length: int) -> list[int]:
+    """The powers of the smallest divisor of ``length`` that divide it, up to :data:`MAX_PARTS`
+    (the smallest divisor itself even above it: a prime length such as ViT's 197 tokens)."""
+    base = next_divisor(length, 1)
+    numbers = []
+    n = base
+    while n is not None and (n <= MAX_PARTS or not numbers) and length % n == 0:
+        numbers.append(n)
+        n *= base
+    return numbers
+
+
+def single_fissions(
+    graph: Graph, order: Sequence[str], dgraph: DGraph, candidate: Candidate
+) -> Iterator[SingleFission]:
+    """``graph`` with ``candidate`` enabled alone at each of its :func:`fission_numbers`,
+    the region in place of its nodes in ``order``; fission numbers that do not fit are skipped."""
+    for parts in fission_numbers(candidate.length):
+        try:
+            result = fission(graph, FTrans(candidate.axes, parts), dgraph)
+        except InvalidFission:
+            continue
+        new_order = fissioned_order(graph, order, result, candidate.nodes)
+        yield SingleFission(result, new_order, simulate_memory(result, new_order).peak, parts, candidate)
+
+
+def best_single_fission(
+    graph: Graph, order: Sequence[str], limit_bytes: int, levels: int = DEFAULT_LEVELS
+) -> SingleFission:
+    """The fewest-parts single fission of ``make_separable(graph)`` whose simulated peak is at
+    most ``limit_bytes`` (ties: the lowest peak), else the lowest-peak one; ``graph`` in
+    ``order`` when its F-Tree offers nothing better. ``order`` is a schedule of ``graph``."""
+    return choose_within(single_fission_options(graph, order, levels), limit_bytes)
+
+
+def single_fission_options(graph: Graph, order: Sequence[str], levels: int = DEFAULT_LEVELS) -> list[SingleFission]:
+    """``graph`` in ``order`` unchanged, then every single fission of ``make_separable(graph)``
+    its F-Tree offers (each candidate at each of its :func:`fission_numbers`)."""
+    options = [SingleFission(graph, tuple(order), simulate_memory(graph, order).peak)]
+    separable = make_separable(graph)
+    separable_order = _carried(graph, order, separable)
+    dgraph = build_dgraph(separable)
+    tree = build_ftree(separable, simulate_memory(separable, separable_order), levels, dgraph=dgraph)
+    for candidate in tree.candidates:
+        options.extend(single_fissions(separable, separable_order, dgraph, candidate))
+    return options
+
+
+def choose_within(options: Sequence[SingleFission], limit_bytes: int) -> SingleFission:
+    """The option with the fewest parts whose peak fits ``limit_bytes`` (ties: the lowest
+    peak); the lowest-peak option when none fits."""
+    fitting = [o for o in options if o.peak_bytes <= limit_bytes]
+    if fitting:
+        return min(fitting, key=lambda o: (o.parts, o.peak_bytes))
+    return min(options, key=lambda o: (o.peak_bytes, o.parts))
+
+
+def _carried(graph: Graph, order: Sequence[str], rewritten: Graph) -> tuple[str, ...]:
+    """``order`` carried over to ``rewritten`` (nodes it kept keep their places; new ones go
+    right before the first kept node that reads them, or where the node list puts them)."""
+    kept = [name for name in order if name in rewritten]
+    position = {name: i for i, name in enumerate(kept)}
+    slots: dict[int, list[str]] = {}
+    for node in rewritten.nodes:
+        if node.name in position:
+            continue
+        readers = [position[c] for c in _kept_readers(rewritten, node.name, position)]
+        slots.setdefault(min(readers, default=len(kept)), []).append(node.name)
+    carried = [name for i, name in enumerate(kept) for name in (*slots.get(i, ()), name)]
+    carried += slots.get(len(kept), [])
+    rewritten.check_schedule(carried)
+    return tuple(carried)
+
+
+def _kept_readers(graph: Graph, name: str, kept: dict[str, int]) -> Iterator[str]:
+    """The kept nodes that read ``name``, directly or through new nodes."""
+    stack, seen = [name], set()
+    while stack:
+        for reader in graph.successors[stack.pop()]:
+            if reader in kept:
+                yield reader
+            elif reader not in seen:
+                seen.add(reader)
+                stack.append(reader)

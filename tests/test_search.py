@@ -1,0 +1,68 @@
+"""The best single fission under a memory limit (magis.search.single_fission) and the
+``magis-fission`` method of the yardstick that runs it."""
+
+from __future__ import annotations
+
+import pytest
+from test_fission import assert_runs_like_eager, captured, in_float64
+
+from magis.backend.eager import max_relative_error
+from magis.backend.meter import resident_tensors
+from magis.bench.methods import METHODS, Subject
+from magis.bench.protocol import measure_peak
+from magis.cost.memory import simulate_memory
+from magis.models import WORKLOADS
+from magis.schedule import schedule
+from magis.search.single_fission import choose_within, fission_numbers, single_fission_options
+
+
+@pytest.fixture(scope="module")
+def unet():
+    c = captured(in_float64(WORKLOADS["unet"].build("tiny", seed=0)))
+    order = tuple(schedule(c.graph).order)
+    return c, order, single_fission_options(c.graph, order)
+
+
+def test_options_are_the_step_and_its_single_fissions(unet):
+    c, order, options = unet
+    assert options[0].parts == 1 and options[0].graph is c.graph and options[0].order == order
+    assert all(o.parts > 1 and o.candidate is not None for o in options[1:])
+    spanning = max(options[1:], key=lambda o: len(o.candidate.nodes))
+    assert spanning.parts in fission_numbers(spanning.candidate.length)
+    for option in options:
+        assert simulate_memory(option.graph, option.order).peak == option.peak_bytes
+    assert_runs_like_eager(c, spanning.graph, spanning.order)
+
+
+def test_choice_is_the_fewest_parts_that_fit(unet):
+    _, _, options = unet
+    for limit in sorted({o.peak_bytes for o in options}):
+        chosen = choose_within(options, limit)
+        assert chosen.peak_bytes <= limit
+        fitting = [o for o in options if o.peak_bytes <= limit]
+        assert chosen.parts == min(o.parts for o in fitting)
+        assert chosen.peak_bytes == min(o.peak_bytes for o in fitting if o.parts == chosen.parts)
+    lowest = min(o.peak_bytes for o in options)
+    assert choose_within(options, lowest - 1).peak_bytes == lowest  # nothing fits: the lowest peak
+
+
+def test_fission_numbers():
+    assert fission_numbers(32) == [2, 4, 8, 16, 32]
+    assert fission_numbers(197) == [197]  # a prime length: its only fission number
+    assert fission_numbers(12) == [2, 4]
+    assert fission_numbers(1) == []
+
+
+def test_magis_fission_method_runs_with_eagers_gradients_and_its_simulated_peak():
+    subject = Subject("unet", "tiny")
+    eager = METHODS["eager"].real(subject, None)
+    _, reference = measure_peak(eager.step, resident_tensors(eager.built.model, eager.built.example_inputs))
+    method = METHODS["magis-fission"]
+    for budget in (1.0, 0.01):  # the scheduled step fits; nothing fits (the lowest peak)
+        runnable = method.real(subject, budget)
+        peak, result = measure_peak(runnable.step, resident_tensors(subject.built.model, subject.inputs))
+        graph, order = method.simulate(subject, budget)
+        assert abs(simulate_memory(graph, order).peak - peak) <= 0.02 * peak
+        assert max_relative_error(reference.gradients, result.gradients) < 1e-4
+    assert subject.single_fission(1.0).parts == 1
+    assert subject.single_fission(0.01).peak_bytes == min(o.peak_bytes for o in subject.single_fissions)
