@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from driver import measure_in_subprocess, write_json
 
 
 def measure_one(name: str, preset: str) -> dict:
@@ -62,15 +62,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         print(f"[capture] {name} ({args.preset}) ...", file=sys.stderr, flush=True)
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--preset", args.preset],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row = measure_in_subprocess(__file__, name, "--preset", args.preset)
         row["under_60s"] = row["capture_simulate_seconds"] < 60
         row["under_4GiB_rss"] = row["peak_rss_bytes"] < 4 * 2**30
         rows.append(row)
@@ -81,9 +73,7 @@ def main() -> None:
             file=sys.stderr,
             flush=True,
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"preset": args.preset, "workloads": rows}, indent=2))
+    out = write_json(args.out, {"preset": args.preset, "workloads": rows})
     print(f"wrote {out}", file=sys.stderr)
 
 

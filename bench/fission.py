@@ -17,10 +17,11 @@ enabled node lowers the simulated peak by at least 20%.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from driver import write_json
 
 MODELS = ("bert-base", "vit-base", "unet", "gpt-neo-1.3b")
 FTREE_SECONDS_FLOOR = 10.0
@@ -118,9 +119,7 @@ def main() -> None:
             file=sys.stderr,
             flush=True,
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": args.device, "preset": "paper", "workloads": rows}, indent=2))
+    out = write_json(args.out, {"device": args.device, "preset": "paper", "workloads": rows})
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
 

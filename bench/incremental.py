@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from driver import write_json
+
 from magis.cost.memory import peak_memory
 from magis.ir.graph import Graph, Ref, TensorMeta, map_refs
 from magis.models.random_graphs import random_nasnet_graph
@@ -171,8 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     report = run(args.graphs, args.rewrites, args.cells, args.time_limit)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_json(out, report)
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {out}", file=sys.stderr)
 

@@ -10,7 +10,9 @@ For every workload of ``magis.models.WORKLOADS``:
 
 Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane,
 Pareto front drawn), then prints, per workload, the lowest peak ratio a peer
-reaches at no more than 10% latency overhead over eager, measured and simulated.
+reaches at no more than 10% latency overhead over eager, measured and simulated
+(and magis' own, in columns of their own, when its methods were run: e.g.
+``--methods eager,magis-scheduled,magis-fission --out results/magis``).
 
     python bench/peers.py [--out results/peers] [--models bert-base,unet] [--presets small,paper]
                           [--methods eager,checkpoint-block,...] [--budget 1 0.5 0.1]
@@ -31,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from magis.bench.compare import OVERHEAD, Comparison, best_within, compare
-from magis.bench.methods import DEFAULT_BUDGETS, METHODS, PEER
+from magis.bench.compare import OVERHEAD, Comparison, Row, best_within, compare
+from magis.bench.methods import DEFAULT_BUDGETS, MAGIS, METHODS, PEER
 from magis.bench.plot import plot_tradeoff
 from magis.commands.common import format_table, log
 from magis.models import WORKLOADS
@@ -83,9 +85,16 @@ def summary_row(workload: str, out: Path) -> dict[str, str]:
         if not path.exists():
             row[label] = "not run"
             continue
-        best = best_within(Comparison.from_json(json.loads(path.read_text())).rows)
-        row[label] = "-" if best is None else f"{best.peak_ratio:.3f} ({best.method})"
+        rows = Comparison.from_json(json.loads(path.read_text())).rows
+        row[label] = _best(rows, PEER)
+        if any(r.kind == MAGIS for r in rows):
+            row[f"magis {label}"] = _best(rows, MAGIS)
     return row
+
+
+def _best(rows: list[Row], kind: str) -> str:
+    best = best_within(rows, kind=kind)
+    return "-" if best is None else f"{best.peak_ratio:.3f} ({best.method})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{workload} ({preset}): done in {time.perf_counter() - start:.0f} s")
     rows = [summary_row(workload, args.out) for workload in WORKLOADS]
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-    print(f"Best peer peak ratio at <= {OVERHEAD:.0%} latency overhead over eager (results in {args.out}):")
+    print(f"Best peak ratio at <= {OVERHEAD:.0%} latency overhead over eager (results in {args.out}):")
     print(format_table(rows))
     return 0
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from driver import measure_in_subprocess, write_json
 
 from magis.cost.memory import peak_memory
 from magis.ir.graph import Graph
@@ -121,15 +122,7 @@ def main() -> None:
     rows = []
     for name in filter(None, args.models.split(",")):
         print(f"[schedule] {name} (paper) ...", file=sys.stderr, flush=True)
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--time-limit", str(args.time_limit)],
-            stdout=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"{name} failed (exit code {done.returncode})")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append(measure_in_subprocess(__file__, name, "--time-limit", str(args.time_limit)))
         _report(rows[-1])
     for name, graph in random_graphs():
         rows.append({"kind": "random", **measure(name, graph, args.time_limit)})
@@ -142,9 +135,7 @@ def main() -> None:
         "mean_magis_vs_captured": sum(r["magis_vs_captured"] for r in rows) / len(rows),
         "mean_magis_vs_kahn": sum(r["magis_vs_kahn"] for r in rows) / len(rows),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"time_limit_s": args.time_limit, "summary": summary, "graphs": rows}, indent=2))
+    out = write_json(args.out, {"time_limit_s": args.time_limit, "summary": summary, "graphs": rows})
     plot(rows, out.with_suffix(".png"))
     print(json.dumps(summary, indent=2))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)

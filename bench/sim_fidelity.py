@@ -18,7 +18,6 @@ The progress bar of the profiler goes to stderr; one line per workload to stdout
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from driver import write_json
 
 from magis.backend.runtime import lower, run_program
 from magis.cost.latency import ProfiledCostModel, estimate_latency
@@ -186,8 +186,7 @@ def main() -> None:
         "workloads": rows,
         "failed": failures,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     plot(rows, args.device, args.out.with_suffix(".png"))
     print(
         f"|error| vs wall time: mean {statistics.mean(errors):.1%}, max {max(errors):.1%}; "

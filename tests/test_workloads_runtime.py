@@ -9,8 +9,9 @@ from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.models import WORKLOADS
 
-#: workloads whose reference configuration trains with dropout (GPT-Neo and BTLM use none)
-WITH_DROPOUT = ("bert-base", "vit-base")
+#: workloads whose reference configuration trains with dropout (ViT's, GPT-Neo's and BTLM's
+#: probabilities are 0: ViT's fused attention then draws nothing and is not random)
+WITH_DROPOUT = ("bert-base",)
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
