@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(DEFAULT_BUDGETS),
         metavar="B",
-        help="activation memory budgets in (0, 1] for torch.compile's partitioner "
-        f"(default: {' '.join(map(str, DEFAULT_BUDGETS))})",
+        help="memory budgets in (0, 1]: torch.compile's activation memory budget (compile@B) and "
+        f"magis-fission's fraction of the scheduled peak (default: {' '.join(map(str, DEFAULT_BUDGETS))})",
     )
     parser.add_argument(
         "--simulate",
