@@ -103,7 +103,8 @@ def predraw_dropout_masks(graph: Graph) -> Graph:
     stream, the shape and the layout), then ``x * mask * scale`` (the formula of
     ``native_dropout_backward``). The draw keeps the original's place in the chain of
     random ops, so every mask is the captured one. Dropouts whose input layout is not
-    recorded stay as they are (and stay out of fission regions)."""
+    recorded, or whose input may start inside its storage (CUDA's fused kernel picks
+    its vector width from the address), stay as they are and out of fission regions."""
     anchor = device_anchor(graph)
     edit = _Edit()
     for node in graph.nodes:
@@ -112,7 +113,7 @@ def predraw_dropout_masks(graph: Graph) -> Graph:
         args = bind(node)
         x, p, train = args["input"], float(args["p"]), args["train"]
         meta = graph[x.name].meta
-        if train is False or not 0.0 < p < 1.0 or meta.strides is None:
+        if train is False or not 0.0 < p < 1.0 or meta.strides is None or not starts_its_storage(graph, x.name):
             continue
         output, mask = _elements(graph, node.name)
         if not output:  # nothing applies the mask: a draw already
@@ -144,6 +145,39 @@ def device_anchor(graph: Graph) -> Ref:
     if not inputs:
         raise ValueError("the graph has no inputs to take a device from")
     return Ref(next((n for n in inputs if n.role is Role.PARAMETER), inputs[0]).name)
+
+
+#: views whose tensor starts where their input's does (no storage offset added)
+OFFSET_FREE_VIEWS = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.permute.default,
+        aten.transpose.int,
+        aten.t.default,
+        aten.expand.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+        aten.alias.default,
+        aten.detach.default,
+        operator.getitem,
+    }
+)
+
+
+def starts_its_storage(graph: Graph, name: str) -> bool:
+    """Whether the value of node ``name`` begins at the first element of its storage: it
+    owns its storage, or reaches its owner only through views that add no offset."""
+    node, element = graph[name], 0
+    while (alias := node.aliases[element]) is not None:
+        if node.target not in OFFSET_FREE_VIEWS:
+            return False
+        position, element = alias
+        node = graph[node.inputs[position]]
+    return True
 
 
 def _row_major(node: Node) -> bool:
