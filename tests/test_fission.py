@@ -47,8 +47,6 @@ from magis.rules.separable import make_separable
 from magis.schedule import schedule
 
 aten = torch.ops.aten
-#: candidates run for real per workload (the largest, the smallest and some between).
-CANDIDATES_PER_WORKLOAD = 3
 SEED = 7
 
 
@@ -117,19 +115,10 @@ def workload(request) -> Captured:
     return captured(in_float64(WORKLOADS[request.param].build("tiny", seed=0)), separable=True)
 
 
-def spread(items: list, k: int) -> list:
-    """``k`` items evenly spread over ``items`` (all of them when there are fewer)."""
-    if len(items) <= k:
-        return items
-    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
-
-
 def test_every_tiny_workload_candidate_runs_exactly_within_the_simulated_peak(workload):
     tree = workload.tree
     assert len(tree) > 0
-    by_size = sorted(range(len(tree)), key=lambda i: -len(tree.candidates[i].nodes))
-    for i in spread(by_size, CANDIDATES_PER_WORKLOAD):
-        candidate = tree.candidates[i]
+    for candidate in tree.candidates:
         f = FTrans(candidate.axes, next_divisor(candidate.length, 1))
         graph = fission(workload.graph, f, workload.dgraph)
         regions = [n for n in graph.nodes if isinstance(n.target, FissionRegion)]
