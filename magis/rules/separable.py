@@ -86,6 +86,8 @@ def normalise_loss_by_labels(graph: Graph) -> Graph:
         if args["reduction"] != _MEAN or args.get("weight") is not None:
             continue
         loss, total_weight = _elements(graph, node.name)
+        if not loss:  # an unread loss: nothing to keep equal
+            continue
         scores, labels, ignore = args["self"], args["target"], args["ignore_index"]
         dtype = node.outputs[0].dtype
         build = NodeBuilder(graph, node.name)
@@ -113,7 +115,7 @@ def predraw_dropout_masks(graph: Graph) -> Graph:
         args = bind(node)
         x, p, train = args["input"], float(args["p"]), args["train"]
         meta = graph[x.name].meta
-        if train is False or not 0.0 < p < 1.0 or meta.strides is None or not starts_its_storage(graph, x.name):
+        if train is not True or not 0.0 < p < 1.0 or meta.strides is None or not starts_its_storage(graph, x.name):
             continue
         output, mask = _elements(graph, node.name)
         if not output:  # nothing applies the mask: a draw already
