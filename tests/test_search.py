@@ -13,7 +13,12 @@ from magis.bench.protocol import measure_peak
 from magis.cost.memory import simulate_memory
 from magis.models import WORKLOADS
 from magis.schedule import schedule
-from magis.search.single_fission import choose_within, fission_numbers, single_fission_options
+from magis.search.single_fission import (
+    best_single_fission,
+    choose_within,
+    fission_numbers,
+    single_fission_options,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +49,14 @@ def test_choice_is_the_fewest_parts_that_fit(unet):
         assert chosen.peak_bytes == min(o.peak_bytes for o in fitting if o.parts == chosen.parts)
     lowest = min(o.peak_bytes for o in options)
     assert choose_within(options, lowest - 1).peak_bytes == lowest  # nothing fits: the lowest peak
+
+
+def test_best_single_fission_is_the_choice_among_the_options(unet):
+    c, order, options = unet
+    limit = sorted(o.peak_bytes for o in options)[len(options) // 2]
+    best = best_single_fission(c.graph, order, limit)
+    expected = choose_within(options, limit)
+    assert (best.parts, best.peak_bytes) == (expected.parts, expected.peak_bytes)
 
 
 def test_fission_numbers():
