@@ -7,6 +7,7 @@ backward together, which is what shrinks the activations a step saves.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -88,19 +89,13 @@ def test_predrawn_masks_follow_the_layout_of_the_dropout_input():
 
 def test_dropout_of_unknown_layout_is_left_alone():
     graph = captured(in_float64(WORKLOADS["bert-base"].build("tiny", seed=0))).graph
-    unknown = {n.name: n for n in graph.nodes if n.outputs and n.outputs[0] is not None}
+    blinded = {}
     for name in ops(graph, aten.native_dropout.default):
         source = graph[graph[name].inputs[0]]
         meta = source.meta
-        unknown[source.name] = type(source)(
-            **{**_fields(source), "outputs": (TensorMeta(meta.shape, meta.dtype, meta.nbytes),)}
-        )
-    blind = Graph(tuple(unknown.get(n.name, n) for n in graph.nodes), graph.outputs, graph.signature, graph.order_edges)
+        blinded[source.name] = dataclasses.replace(source, outputs=(TensorMeta(meta.shape, meta.dtype, meta.nbytes),))
+    blind = Graph(tuple(blinded.get(n.name, n) for n in graph.nodes), graph.outputs, graph.signature, graph.order_edges)
     assert predraw_dropout_masks(blind) is blind
-
-
-def _fields(node) -> dict:
-    return {f: getattr(node, f) for f in node.__slots__}
 
 
 @pytest.mark.parametrize("name", ["bert-base", "unet"])
