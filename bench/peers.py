@@ -36,6 +36,7 @@ from pathlib import Path
 from magis.bench.compare import OVERHEAD, Comparison, Row, best_within, compare
 from magis.bench.methods import DEFAULT_BUDGETS, MAGIS, METHODS, PEER
 from magis.bench.plot import plot_tradeoff
+from magis.bench.protocol import Rounds
 from magis.commands.common import format_table, log
 from magis.models import WORKLOADS
 
@@ -54,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--presets", default=",".join(PRESETS), help="small (measured), paper (simulated)")
     parser.add_argument("--methods", default=",".join(PEERS), help="comma-separated methods (default: the peers)")
     parser.add_argument("--budget", type=float, nargs="+", default=list(DEFAULT_BUDGETS), metavar="B")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds of measured runs")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds of measured runs, at least")
     parser.add_argument("--device", default="h200", help="device profile of simulated latencies")
     return parser.parse_args(argv)
 
@@ -69,7 +70,7 @@ def run_one(workload: str, preset: str, args: argparse.Namespace) -> None:
         args.budget,
         simulate=simulated,
         device=args.device if simulated else None,
-        repeats=args.repeats,
+        rounds=Rounds(args.repeats),
         progress=lambda message: log(f"{workload} ({preset}): {message}"),
     )
     stem = f"{workload}-{preset}"  # not Path.with_suffix: "gpt-neo-1.3b" has a dot of its own

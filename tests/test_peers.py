@@ -94,14 +94,16 @@ def test_simulated_comparison_reports_ratios_against_eager():
 
 def test_bench_cli_json_and_plot(capsys, tmp_path):
     plot = tmp_path / "plane.png"
-    argv = ["bench", "vit-base", "--preset", "tiny", "--methods", "checkpoint-block", "--repeats", "1"]
-    assert main([*argv, "--warmup", "0", "--json", "--plot", str(plot)]) == 0
+    argv = ["bench", "vit-base", "--preset", "tiny", "--methods", "checkpoint-block"]
+    rounds = ["--repeats", "1", "--max-repeats", "1", "--warmup", "0"]
+    assert main([*argv, *rounds, "--json", "--plot", str(plot)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in report["rows"]] == ["eager", "checkpoint-block"]
     for row in report["rows"]:
         for key in ("method", "peak_bytes", "latency_s", "peak_ratio", "latency_ratio", "measured"):
             assert key in row, key
         assert row["measured"] is True
+        assert row["rounds"] == 1
     assert plot.stat().st_size > 0
 
 
@@ -114,6 +116,8 @@ def test_bench_cli_json_and_plot(capsys, tmp_path):
         (["bench", "vit-base", "--budget", "0.5", "1.5"], ["(0, 1]", "1.5"]),
         (["bench", "vit-base", "--device", "h200"], ["simulate"]),
         (["bench", "vit-base", "--simulate", "--device", "tpu"], ["tpu", "h200"]),
+        (["bench", "vit-base", "--precision", "0"], ["precision"]),
+        (["bench", "vit-base", "--repeats", "5", "--max-repeats", "3"], ["max_repeats", "5", "3"]),
     ],
 )
 def test_bad_input_names_the_valid_choices(capsys, argv, named):

@@ -20,7 +20,7 @@ from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
 from magis.bench import protocol
 from magis.bench.methods import DEFAULT_BUDGETS, PEER, REFERENCE, MethodUnavailable, Subject, Variant, variants
-from magis.bench.protocol import Spread
+from magis.bench.protocol import DEFAULT_ROUNDS, Rounds, Spread
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 
@@ -47,6 +47,8 @@ class Row:
     kind: str
     latency_ratio_q1: float | None = None  # interquartile range of the per-round ratios (measured only)
     latency_ratio_q3: float | None = None
+    latency_ratio_stderr: float | None = None  # standard error of latency_ratio (measured only)
+    rounds: int | None = None  # timed rounds the ratio is taken over (measured only)
     wall_s: float | None = None  # median wall-clock seconds (measured only; latency_s is on the protocol's clock)
     max_grad_error: float | None = None  # against eager (measured only)
 
@@ -90,8 +92,7 @@ def compare(
     batch: int | None = None,
     simulate: bool | None = None,
     device: str | None = None,
-    repeats: int = protocol.DEFAULT_REPEATS,
-    warmup: int = protocol.DEFAULT_WARMUP,
+    rounds: Rounds = DEFAULT_ROUNDS,
     threads: int | None = 1,
     seed: int = protocol.DEFAULT_SEED,
     progress: Progress | None = None,
@@ -101,7 +102,8 @@ def compare(
     ``simulate`` defaults to True for the paper preset (fake weights) and False
     otherwise; ``device`` names the cost model of simulated latencies (default
     ``h200``). Measured runs use ``threads`` intra-op threads (``None``: torch's
-    default); with one, latency is CPU time (see :mod:`magis.bench.protocol`).
+    default); with one, latency is CPU time (see :mod:`magis.bench.protocol`),
+    timed over ``rounds`` (see :class:`magis.bench.protocol.Rounds`).
     ``budgets`` apply to budgeted methods. Raises ValueError for an unknown
     workload, method or device, or a budget outside ``(0, 1]``.
     """
@@ -122,9 +124,14 @@ def compare(
         comparison = Comparison(workload, preset, False, settings)
         _simulate_all(comparison, subject, chosen, model, say)
     else:
-        settings = {"threads": protocol.set_threads(threads), "repeats": repeats, "warmup": warmup, "seed": seed}
+        settings = {
+            "threads": protocol.set_threads(threads),
+            **asdict(rounds),
+            "seed": seed,
+            "freed_memory_kept": protocol.keep_freed_memory(),
+        }
         comparison = Comparison(workload, preset, True, settings)
-        _measure_all(comparison, subject, chosen, repeats, warmup, seed, say)
+        _measure_all(comparison, subject, chosen, rounds, seed, say)
     return comparison
 
 
@@ -157,8 +164,7 @@ def _measure_all(
     comparison: Comparison,
     subject: Subject,
     chosen: list[Variant],
-    repeats: int,
-    warmup: int,
+    rounds: Rounds,
     seed: int,
     say: Progress,
 ) -> None:
@@ -189,25 +195,29 @@ def _measure_all(
             f"(max rel. error {errors[variant]:.1g}), first step {time.perf_counter() - start:.1f} s"
         )
     del reference
-    say(f"timing {len(steps)} methods against {REFERENCE}: {warmup} warm-up + {repeats} rounds")
-    timings = protocol.interleaved_timings(
-        {v.name: s for v, s in steps.items()}, REFERENCE, repeats, warmup, seed, progress=say
+    say(
+        f"timing {len(steps)} methods against {REFERENCE}: {rounds.warmup} warm-up + {rounds.repeats} rounds, "
+        f"up to {rounds.max_repeats} for ratios within {rounds.precision:.1%} standard error"
     )
+    timings = protocol.interleaved_timings({v.name: s for v, s in steps.items()}, REFERENCE, rounds, seed, say)
     comparison.settings["clock"] = timings[REFERENCE].clock
     for variant in steps:
-        ratio = timings[variant.name].ratio
+        timed = timings[variant.name]
+        ratio, spread = timed.ratio, timed.ratio_spread
         comparison.rows.append(
             Row(
                 variant.name,
                 peaks[variant],
-                timings[variant.name].spread.median,
+                timed.spread.median,
                 peaks[variant] / peaks[chosen[0]],
-                ratio.median,
+                ratio.value,
                 True,
                 variant.method.kind,
-                ratio.q1,
-                ratio.q3,
-                Spread.of(timings[variant.name].wall).median,
+                spread.q1,
+                spread.q3,
+                ratio.stderr,
+                len(timed.ratios),
+                Spread.of(timed.wall).median,
                 errors[variant],
             )
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -20,9 +21,9 @@ def plot_tradeoff(comparison: Comparison, path: str | Path) -> Path:
     ax = fig.subplots()
     for i, row in enumerate(comparison.rows):
         color = f"C{i % 10}"  # matplotlib's default color cycle
-        if row.latency_ratio_q1 is not None and row.latency_ratio_q3 is not None:
-            spread = [[row.latency_ratio - row.latency_ratio_q1], [row.latency_ratio_q3 - row.latency_ratio]]
-            ax.errorbar(row.peak_ratio, row.latency_ratio, yerr=spread, color=color, alpha=0.5, zorder=2)
+        if row.latency_ratio_stderr is not None and math.isfinite(row.latency_ratio_stderr):
+            bar = 2 * row.latency_ratio_stderr  # about a 95% confidence interval
+            ax.errorbar(row.peak_ratio, row.latency_ratio, yerr=bar, color=color, alpha=0.5, zorder=2)
         ax.scatter(row.peak_ratio, row.latency_ratio, marker=_MARKERS.get(row.kind, "o"), s=80, color=color, zorder=3)
     _label_points(ax, comparison.rows)
     front = pareto_front(comparison.rows)
@@ -43,7 +44,7 @@ def plot_tradeoff(comparison: Comparison, path: str | Path) -> Path:
     how = "measured" if comparison.measured else f"simulated, {comparison.settings.get('device')}"
     ax.set_title(f"{comparison.workload} ({comparison.preset}, {how})")
     ax.set_xlabel("peak memory / eager")
-    ax.set_ylabel("latency / eager")
+    ax.set_ylabel("latency / eager" + (" (bars: ±2 standard errors)" if comparison.measured else ""))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right")
     fig.tight_layout()

@@ -7,7 +7,7 @@ import logging
 
 from magis.bench.compare import DEFAULT_DEVICE, compare
 from magis.bench.methods import DEFAULT_BUDGETS, METHODS
-from magis.bench.protocol import DEFAULT_REPEATS, DEFAULT_WARMUP
+from magis.bench.protocol import DEFAULT_MAX_REPEATS, DEFAULT_PRECISION, DEFAULT_REPEATS, DEFAULT_WARMUP, Rounds
 from magis.commands.common import add_workload_arguments, emit, log, positive_int
 
 
@@ -38,7 +38,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"device profile that prices simulated latencies (default: {DEFAULT_DEVICE})",
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=DEFAULT_REPEATS, help=f"timed rounds (default: {DEFAULT_REPEATS})"
+        "--repeats",
+        type=positive_int,
+        default=DEFAULT_REPEATS,
+        help=f"timed rounds every method runs (default: {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--max-repeats",
+        type=positive_int,
+        default=None,
+        help="timed rounds at most: methods whose latency ratio is not yet within --precision get more rounds "
+        f"(default: {DEFAULT_MAX_REPEATS}, or --repeats if larger)",
+    )
+    parser.add_argument(
+        "--precision",
+        type=float,
+        default=DEFAULT_PRECISION,
+        help=f"target relative standard error of every latency ratio (default: {DEFAULT_PRECISION})",
     )
     parser.add_argument(
         "--warmup", type=int, default=DEFAULT_WARMUP, help=f"warm-up rounds (default: {DEFAULT_WARMUP})"
@@ -55,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
     logging.getLogger("transformers").setLevel(logging.ERROR)  # checkpointing warns that it turns the KV cache off
+    rounds = Rounds(args.repeats, args.warmup, args.max_repeats, args.precision)
     comparison = compare(
         args.model,
         args.preset,
@@ -63,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
         batch=args.batch,
         simulate=args.simulate or args.preset == "paper",
         device=args.device,
-        repeats=args.repeats,
-        warmup=args.warmup,
+        rounds=rounds,
         threads=args.threads,
         progress=log,
     )
