@@ -9,6 +9,7 @@ cost model (a named device profile, ``h200`` by default).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,7 +48,7 @@ class Row:
     kind: str
     latency_ratio_q1: float | None = None  # interquartile range of the per-round ratios (measured only)
     latency_ratio_q3: float | None = None
-    latency_ratio_stderr: float | None = None  # standard error of latency_ratio (measured only)
+    latency_ratio_stderr: float | None = None  # standard error of latency_ratio (measured, 2+ rounds)
     rounds: int | None = None  # timed rounds the ratio is taken over (measured only)
     wall_s: float | None = None  # median wall-clock seconds (measured only; latency_s is on the protocol's clock)
     max_grad_error: float | None = None  # against eager (measured only)
@@ -215,7 +216,7 @@ def _measure_all(
                 variant.method.kind,
                 spread.q1,
                 spread.q3,
-                ratio.stderr,
+                ratio.stderr if math.isfinite(ratio.stderr) else None,  # one round: unknown (JSON has no inf)
                 len(timed.ratios),
                 Spread.of(timed.wall).median,
                 errors[variant],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -21,7 +20,7 @@ def plot_tradeoff(comparison: Comparison, path: str | Path) -> Path:
     ax = fig.subplots()
     for i, row in enumerate(comparison.rows):
         color = f"C{i % 10}"  # matplotlib's default color cycle
-        if row.latency_ratio_stderr is not None and math.isfinite(row.latency_ratio_stderr):
+        if row.latency_ratio_stderr is not None:
             bar = 2 * row.latency_ratio_stderr  # about a 95% confidence interval
             ax.errorbar(row.peak_ratio, row.latency_ratio, yerr=bar, color=color, alpha=0.5, zorder=2)
         ax.scatter(row.peak_ratio, row.latency_ratio, marker=_MARKERS.get(row.kind, "o"), s=80, color=color, zorder=3)
