@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from magis.backend.eager import buffers_snapshot, eager_step, max_relative_error, restore_buffers
+from magis.backend.eager import buffers_snapshot, compare_gradients, eager_step, restore_buffers
 from magis.backend.meter import peak_meter
 from magis.backend.runtime import run_step
 from magis.cost.latency import cost_model, estimate_latency
@@ -76,8 +76,11 @@ def measure_against_eager(
 ) -> dict[str, Any]:
     """Run the step twice from the same state and seed: eager PyTorch, then the magis runtime.
 
-    Returns ``measured_peak_bytes``, ``eager_peak_bytes`` and ``max_grad_error`` (the
-    loss counts as one more gradient). The model's buffers are left as before.
+    Returns ``measured_peak_bytes``, ``eager_peak_bytes``, ``max_grad_error`` (the
+    loss counts as one more gradient) and the parameters whose gradient only one of
+    the two computed: ``missing_gradients`` (eager has one, magis not: that parameter
+    would never train) and ``extra_gradients``. With any of those, ``max_grad_error``
+    is infinite. The model's buffers are left as before.
     """
     snapshot = buffers_snapshot(model)
     with peak_meter(model, example_inputs) as meter:
@@ -90,10 +93,16 @@ def measure_against_eager(
         torch.manual_seed(seed)
         result = run_step(graph, model, example_inputs, order)
     restore_buffers(model, snapshot)
-    error = max_relative_error(
+    comparison = compare_gradients(
         {**reference.gradients, "<loss>": reference.loss}, {**result.gradients, "<loss>": result.loss}
     )
-    return {"measured_peak_bytes": meter.peak_bytes, "eager_peak_bytes": eager_peak, "max_grad_error": error}
+    return {
+        "measured_peak_bytes": meter.peak_bytes,
+        "eager_peak_bytes": eager_peak,
+        "max_grad_error": comparison.max_error if comparison.same_names else float("inf"),
+        "missing_gradients": list(comparison.missing),
+        "extra_gradients": list(comparison.extra),
+    }
 
 
 def _local_device(model: torch.nn.Module) -> str:

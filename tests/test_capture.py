@@ -175,8 +175,11 @@ def test_profile_reports_every_key(convnet):
         "measured_peak_bytes",
         "eager_peak_bytes",
         "max_grad_error",
+        "missing_gradients",
+        "extra_gradients",
     ):
         assert key in report
+    assert report["missing_gradients"] == report["extra_gradients"] == []
     assert report["weight_bytes"] == sum(p.numel() * 4 for p in model.parameters())
     assert report["max_grad_error"] < 1e-5
 
@@ -207,7 +210,7 @@ def test_graph_back_to_fx_code_runs_like_the_runtime(convnet):
 
 
 def test_max_relative_error_sees_real_errors_not_round_off():
-    from magis.backend.eager import max_relative_error
+    from magis.backend.eager import GradientMismatch, max_relative_error
 
     big = torch.randn(4, 4)
     tiny = torch.full((3,), 1e-12)
@@ -215,4 +218,7 @@ def test_max_relative_error_sees_real_errors_not_round_off():
     assert max_relative_error({"a": big, "b": tiny}, {"a": big, "b": tiny + 1e-13}) < 1e-6
     assert max_relative_error({"a": big}, {"a": big * 1.01}) == pytest.approx(0.01, rel=1e-3)
     assert max_relative_error({"a": big, "b": tiny}, {"a": big, "b": tiny + 1.0}) > 1.0
-    assert max_relative_error({"a": big}, {}) == float("inf")
+    with pytest.raises(GradientMismatch, match="no gradient for a"):
+        max_relative_error({"a": big}, {})
+    with pytest.raises(GradientMismatch, match="does not compute for b"):
+        max_relative_error({"a": big}, {"a": big, "b": tiny})

@@ -116,7 +116,7 @@ def test_analytic_latency_grows_with_size_and_ranks_devices(small_matmuls: Graph
     assert totals["h200"] < totals["a100"] < totals["rtx3090"]
 
 
-def test_fp32_matmul_uses_tensor_cores_only_with_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp32_matmul_uses_tensor_cores_only_with_tf32() -> None:
     with FakeTensorMode():
         model = nn.Linear(4096, 4096, bias=False)
         x = torch.randn(4096, 4096)
@@ -126,8 +126,14 @@ def test_fp32_matmul_uses_tensor_cores_only_with_tf32(monkeypatch: pytest.Monkey
     tf32 = estimate_latency(graph, order, AnalyticCostModel(DEVICE_PROFILES["a100"], tf32_matmul=True)).total_s
     assert tf32 < ieee / 4  # 156 vs 19.5 TFLOP/s
     assert estimate_latency(graph, order, cost_model("a100")).total_s == ieee  # PyTorch's default: no TF32
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert estimate_latency(graph, order, cost_model("a100")).total_s == tf32
+    # Set and restore by hand: torch.backends.cuda.matmul answers ``allow_tf32`` through
+    # __getattr__, which pytest's monkeypatch cannot undo (it deletes the attribute).
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert estimate_latency(graph, order, cost_model("a100")).total_s == tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert not torch.backends.cuda.matmul.allow_tf32
 
 
 def test_estimate_latency_is_a_sequential_timeline(conv_linear: Graph) -> None:

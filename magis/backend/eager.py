@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,26 +37,68 @@ def restore_buffers(model: torch.nn.Module, snapshot: dict[str, torch.Tensor]) -
             v.copy_(snapshot[k])
 
 
-def max_relative_error(
+class GradientMismatch(ValueError):
+    """Two steps produced gradients for different parameters (the message names them)."""
+
+
+@dataclass(frozen=True)
+class GradientComparison:
+    """How one step's gradients differ from a reference step's.
+
+    ``missing``: names with a reference gradient but none here (a parameter that would
+    never be trained); ``extra``: the reverse. ``max_error`` is over the common names.
+    """
+
+    max_error: float
+    missing: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+    @property
+    def same_names(self) -> bool:
+        return not self.missing and not self.extra
+
+    def describe(self) -> str:
+        parts = []
+        if self.missing:
+            parts.append(f"no gradient for {', '.join(self.missing)}")
+        if self.extra:
+            parts.append(f"a gradient eager PyTorch does not compute for {', '.join(self.extra)}")
+        return "; ".join(parts) or f"largest relative difference {self.max_error:.2g}"
+
+
+def compare_gradients(
     reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], noise_floor: float = 1e-6
-) -> float:
-    """Largest ``max|a-b| / max|a|`` over matching tensors (0 when all equal).
+) -> GradientComparison:
+    """Largest ``max|a-b| / max|a|`` over the names both have, and the names only one has.
 
     A tensor whose reference is at float round-off level (below ``noise_floor`` times
     the largest reference magnitude, e.g. a key bias under softmax, whose exact
     gradient is zero) is scaled by that floor instead, so rounding noise does not read
-    as a large relative error. Missing or extra entries count as an infinite error:
-    a gradient was lost.
+    as a large relative error.
     """
-    if set(reference) != set(other):
-        return float("inf")
     largest = max((t.detach().abs().max().item() for t in reference.values() if t.numel()), default=0.0)
     floor = max(noise_floor * largest, 1e-30)
     worst = 0.0
     for k, ref in reference.items():
-        if not ref.numel():
+        if k not in other or not ref.numel():
             continue
         ref = ref.detach().double()
         diff = (other[k].detach().double() - ref).abs().max().item()
         worst = max(worst, diff / max(ref.abs().max().item(), floor))
-    return worst
+    return GradientComparison(
+        worst, tuple(sorted(set(reference) - set(other))), tuple(sorted(set(other) - set(reference)))
+    )
+
+
+def max_relative_error(
+    reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], noise_floor: float = 1e-6
+) -> float:
+    """:func:`compare_gradients`' largest relative difference (0 when all equal).
+
+    Raises :class:`GradientMismatch` naming the parameters when the two steps have
+    gradients for different parameters: no number measures a lost gradient.
+    """
+    comparison = compare_gradients(reference, other, noise_floor)
+    if not comparison.same_names:
+        raise GradientMismatch(comparison.describe())
+    return comparison.max_error

@@ -35,13 +35,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
 
 from magis.backend.eager import buffers_snapshot, restore_buffers
 
+# Without transformers no model is a transformers model: isinstance(m, ()) is False.
+try:
+    from transformers import PreTrainedModel
+except ImportError:
+    PreTrainedModel = ()  # type: ignore[assignment,misc]
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer
-except ImportError:  # transformers < 4.52: no common base class of checkpointable layers
+except ImportError:  # transformers < 4.52 (or none): no common base class of checkpointable layers
     GradientCheckpointingLayer = ()  # type: ignore[assignment,misc]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

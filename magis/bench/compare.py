@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from magis.backend.eager import max_relative_error
+from magis.backend.eager import compare_gradients
 from magis.backend.meter import resident_tensors
 from magis.bench import protocol
 from magis.bench.methods import DEFAULT_BUDGETS, PEER, REFERENCE, MethodUnavailable, Subject, Variant, variants
@@ -184,12 +184,12 @@ def _measure_all(
         peak, result = protocol.measure_peak(runnable.step, resident, seed)
         gradients = {**result.gradients, "<loss>": result.loss}
         reference = gradients if reference is None else reference
-        errors[variant] = max_relative_error(reference, gradients)
-        if errors[variant] > GRADIENT_TOLERANCE:
+        comparison = compare_gradients(reference, gradients)
+        if not comparison.same_names or comparison.max_error > GRADIENT_TOLERANCE:
             raise RuntimeError(
-                f"{variant.name} does not compute eager's gradients on {subject.workload} "
-                f"(largest relative difference {errors[variant]:.2g})"
+                f"{variant.name} does not compute eager's gradients on {subject.workload}: {comparison.describe()}"
             )
+        errors[variant] = comparison.max_error
         steps[variant], peaks[variant] = runnable.step, peak
         say(
             f"{variant.name}: peak {peak / 2**20:.1f} MiB, gradients match eager "

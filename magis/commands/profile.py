@@ -21,4 +21,10 @@ def run(args: argparse.Namespace) -> int:
     log(f"profiling {args.model} ({args.preset})")
     report = profile(built.model, built.example_inputs, built.loss_fn, run=args.run, device=args.device)
     emit({"model": args.model, "preset": args.preset, **{k: v for k, v in report.items() if k != "model"}}, args.json)
+    if report.get("missing_gradients") or report.get("extra_gradients"):
+        log(
+            f"error: magis' gradients cover other parameters than eager PyTorch's: "
+            f"missing {report['missing_gradients']}, extra {report['extra_gradients']}"
+        )
+        return 1
     return 0

@@ -14,13 +14,13 @@ import itertools
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 from torch._functorch.aot_autograd import aot_export_module
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -70,20 +70,90 @@ class Constant:
         return self.value
 
 
-class _TrainingStep(torch.nn.Module):
-    """Wraps model + loss as the module AOTAutograd exports: forward returns ``(loss,)``."""
+Slot = tuple[torch.nn.Module, str, str]  # (module, "_parameters" or "_buffers", attribute)
+
+
+def aliased_slots(model: torch.nn.Module) -> list[tuple[Slot, Slot]]:
+    """(alias slot, first slot) for every module attribute holding a tensor already held elsewhere.
+
+    Tied weights (BERT's word embeddings and MLM decoder; T5's shared embedding, both
+    stacks' ``embed_tokens`` and the LM head) are one tensor in several slots. The
+    first slot, in ``named_parameters()`` order, names the tensor; a module reached
+    twice (T5's ``shared`` is also ``encoder.embed_tokens``) is one slot, not a tie.
+    """
+    first: dict[int, Slot] = {}
+    seen: set[tuple[int, str, str]] = set()
+    aliases: list[tuple[Slot, Slot]] = []
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for attr, tensor in getattr(module, kind).items():
+                if tensor is None or (id(module), kind, attr) in seen:
+                    continue
+                seen.add((id(module), kind, attr))
+                slot = (module, kind, attr)
+                if id(tensor) in first:
+                    aliases.append((slot, first[id(tensor)]))
+                else:
+                    first[id(tensor)] = slot
+    return aliases
+
+
+@contextlib.contextmanager
+def aliases_bound(aliases: list[tuple[Slot, Slot]]) -> Iterator[None]:
+    """Point every alias slot at what its first slot holds now, and back afterwards.
+
+    AOTAutograd rebinds one slot per tensor to its traced input (the step module lists
+    each shared tensor once); the aliases must read that same input so that autograd
+    sums the gradient over every use, as eager PyTorch accumulates one ``.grad``.
+    """
+    saved = [getattr(module, kind)[attr] for (module, kind, attr), _ in aliases]
+    for (module, kind, attr), (first_module, first_kind, first_attr) in aliases:
+        getattr(module, kind)[attr] = getattr(first_module, first_kind)[first_attr]
+    try:
+        yield
+    finally:
+        for ((module, kind, attr), _), tensor in zip(aliases, saved):
+            getattr(module, kind)[attr] = tensor
+
+
+class StepModule(torch.nn.Module):
+    """What AOTAutograd exports: ``model`` with one input per distinct tensor.
+
+    ``aot_export_module`` lists parameters and buffers with ``remove_duplicate=False``,
+    one input per name of a shared tensor; the rebinding of one name's slot then
+    leaves the other names' inputs unused, without gradient (T5's tied embedding lost
+    its gradient that way). Here each tensor is listed once, under its first name,
+    and subclasses run the model inside :func:`aliases_bound`.
+    """
 
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.aliases = aliased_slots(model)
 
-    def forward(self, *inputs: Any) -> tuple[torch.Tensor]:
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        return super().named_parameters(prefix, recurse, remove_duplicate=True)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        return super().named_buffers(prefix, recurse, remove_duplicate=True)
+
+    def loss(self, *inputs: Any) -> torch.Tensor:
+        """``loss_fn(model(*inputs))`` (or :func:`default_loss`), checked to be a scalar.
+        Callers run it inside ``aliases_bound(self.aliases)``."""
         output = self.model(*inputs)
         loss = default_loss(output) if self.loss_fn is None else self.loss_fn(output)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise CaptureError("loss_fn must return a scalar tensor")
-        return (loss,)
+        return loss
+
+
+class _TrainingStep(StepModule):
+    """Model + loss as the module AOTAutograd exports: forward returns ``(loss,)``."""
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor]:
+        with aliases_bound(self.aliases):
+            return (self.loss(*inputs),)
 
 
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> Graph:
@@ -106,9 +176,8 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
         raise CaptureError("the model has no parameter that requires grad: there is no training step to capture")
     start = time.perf_counter()
     step = _TrainingStep(model, loss_fn)
-    inputs = tuple(example_inputs)
     try:
-        with _without_stack_traces():
+        with _without_stack_traces(), planning_mode(model, example_inputs) as inputs:
             try:
                 gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
             except AssertionError as err:
@@ -121,8 +190,76 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
     propagate_fake_values(gm)
-    graph = merge_tied_parameters(graph_from_fx(gm, sig), tied_parameters(model))
+    graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def planning_mode(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[tuple[Any, ...]]:
+    """The example inputs, ready to trace with a model that holds no real weights.
+
+    A model built on the meta device (``with torch.device("meta")``, accelerate's
+    ``init_empty_weights``) or under a ``FakeTensorMode`` is planned, not run. Its
+    forward may still make real tensors along the way (a rotary embedding's positions,
+    an empty KV cache), which a strict fake mode refuses; so tracing runs in the
+    model's own fake mode (or a new one) told to accept them as constants, with the
+    inputs turned into that mode's fake tensors. Meta weights and inputs are stood in
+    for, while tracing, by fake CPU tensors of their shapes (meta tensors carry no
+    device a kernel could be picked for). A model with real weights is traced as it is.
+    """
+    inputs = tuple(example_inputs)
+    state = [*model.parameters(), *model.buffers()]
+    tensors = [t for t in (*state, *inputs) if isinstance(t, torch.Tensor)]
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
+    on_meta = any(t.device.type == "meta" for t in tensors)
+    if len(modes) > 1:
+        raise CaptureError("the model and its inputs hold fake tensors of different FakeTensorModes: build them in one")
+    if not modes and not on_meta:
+        yield inputs
+        return
+    mode = next(iter(modes.values())) if modes else FakeTensorMode(allow_non_fake_inputs=True)
+    strict = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        with _meta_state_faked(model, mode):
+            yield tuple(_as_fake(x, mode) for x in inputs)
+    finally:
+        mode.allow_non_fake_inputs = strict
+
+
+def _as_fake(value: Any, mode: FakeTensorMode) -> Any:
+    """A fake tensor of ``mode`` for ``value`` (a meta tensor becomes a fake CPU one)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+        return value
+    if value.device.type != "meta":
+        return mode.from_tensor(value)
+    with mode:
+        fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(fake, requires_grad=value.requires_grad)
+    return fake.requires_grad_(value.requires_grad)
+
+
+@contextlib.contextmanager
+def _meta_state_faked(model: torch.nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """Every meta parameter and buffer of ``model`` replaced by a fake twin (shared
+    tensors by one twin), and put back afterwards."""
+    twins: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, tensor in table.items():
+                if tensor is None or tensor.device.type != "meta" or isinstance(tensor, FakeTensor):
+                    continue
+                if id(tensor) not in twins:
+                    twins[id(tensor)] = _as_fake(tensor, mode)
+                swapped.append((table, attr, tensor))
+                table[attr] = twins[id(tensor)]
+    try:
+        yield
+    finally:
+        for table, attr, tensor in swapped:
+            table[attr] = tensor
 
 
 @contextlib.contextmanager
@@ -144,7 +281,7 @@ def _parameters_without_gradient(step: _TrainingStep, inputs: tuple) -> list[tor
     """
     gm, sig = aot_export_module(step, inputs, trace_joint=False)
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    params = dict(step.named_parameters(remove_duplicate=False))
+    params = dict(step.named_parameters())
     return [
         params[name]
         for node, name in sig.inputs_to_parameters.items()
@@ -308,60 +445,6 @@ def draws_random_numbers(target: Any, args: tuple, kwargs: dict[str, Any]) -> bo
     position = names.index("dropout_p")
     dropout_p = args[position] if position < len(args) else kwargs.get("dropout_p", 0.0)
     return dropout_p != 0
-
-
-def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
-    """Each extra name of a shared parameter -> its first name (as ``named_parameters()`` lists it)."""
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return tied
-
-
-def merge_tied_parameters(graph: Graph, tied: dict[str, str]) -> Graph:
-    """One input per shared parameter, and one gradient: the sum over its uses.
-
-    AOTAutograd passes a tied weight (e.g. BERT's word embeddings and MLM decoder)
-    once per name and returns a gradient per name; eager PyTorch holds one tensor
-    and accumulates one ``.grad``. Counting it twice would also double its memory.
-    """
-    if not tied:
-        return graph
-    sig = graph.signature
-    node_of = {pname: node for node, pname in sig.parameters.items()}
-    rename = {node_of[alias]: node_of[canon] for alias, canon in tied.items()}
-    grads = dict(sig.gradients)
-    outputs = list(graph.outputs)
-    added: list[Node] = []
-    for alias, canon in tied.items():
-        extra = grads.pop(alias, None)
-        if extra is None:
-            continue
-        if canon not in grads:
-            grads[canon] = extra
-            continue
-        meta = graph[grads[canon]].meta
-        total = graph.fresh_name(f"tied_grad_{len(added)}")
-        added.append(
-            Node(
-                name=total,
-                target=torch.ops.aten.add.Tensor,
-                args=(Ref(grads[canon]), Ref(extra)),
-                outputs=(TensorMeta(meta.shape, meta.dtype, meta.numel * meta.dtype.itemsize),),
-                aliases=(None,),
-                role=Role.GRADIENT,
-            )
-        )
-        outputs = [o for o in outputs if o not in (grads[canon], extra)] + [total]
-        grads[canon] = total
-    merged = graph.replace(remove=rename, add=added, rename=rename)
-    parameters = {node: name for node, name in sig.parameters.items() if node not in rename}
-    signature = replace(merged.signature, parameters=parameters, gradients=grads)
-    return Graph(merged.nodes, tuple(rename.get(o, o) for o in outputs), signature, merged.order_edges)
 
 
 def _alias_position(

@@ -31,35 +31,30 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from magis.frontend.capture import (
     CaptureError,
     LossFn,
-    default_loss,
+    StepModule,
+    aliases_bound,
     explain_capture_failure,
     graph_from_step_fx,
-    merge_tied_parameters,
     propagate_fake_values,
-    tied_parameters,
 )
 from magis.ir.graph import Graph, Signature
 
 _PREFIX = "model."
 
 
-class _GradientStep(torch.nn.Module):
+class _GradientStep(StepModule):
     """``forward(*inputs) -> (loss, *gradients)``: the backward runs inside the traced forward."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
+        super().__init__(model, loss_fn)
         #: the parameters that received a gradient, in output order (set while tracing)
         self.gradient_names: list[str] = []
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
-        named = [(n, p) for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad]
-        with _saved_tensor_hooks_traced(), torch.enable_grad():
-            output = self.model(*inputs)
-            loss = default_loss(output) if self.loss_fn is None else self.loss_fn(output)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise CaptureError("loss_fn must return a scalar tensor")
+        with aliases_bound(self.aliases), _saved_tensor_hooks_traced(), torch.enable_grad():
+            # each shared tensor once: all its slots read one traced input
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            loss = self.loss(*inputs)
             grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
         kept = [(n, g) for (n, _), g in zip(named, grads) if g is not None]
         self.gradient_names = [n for n, _ in kept]
@@ -105,4 +100,4 @@ def capture_checkpointed(model: torch.nn.Module, example_inputs: Sequence[Any], 
         gradients=dict(zip(step.gradient_names, grads, strict=True)),
         buffer_updates={b.removeprefix(_PREFIX): node for node, b in sig.buffers_to_mutate.items()},
     )
-    return merge_tied_parameters(graph_from_step_fx(gm, signature), tied_parameters(model))
+    return graph_from_step_fx(gm, signature)

@@ -32,31 +32,21 @@ allocating memory, ready for graph capture.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._guards import detect_fake_mode
-from transformers import (
-    BertConfig,
-    BertForMaskedLM,
-    GPTNeoConfig,
-    GPTNeoForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    ResNetConfig,
-    ResNetForImageClassification,
-    ViTConfig,
-    ViTForImageClassification,
-)
-from transformers.initialization import no_init_weights
 
 from magis.models.unet import UNet, UNetPlusPlus
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 PRESETS = ("tiny", "small", "paper")
 
@@ -130,6 +120,20 @@ class SegmentationTask(nn.Module):
         return F.cross_entropy(self.network(images), masks)
 
 
+class MissingDependency(RuntimeError):
+    """A workload needs a package that is not installed (the message says which and how to get it)."""
+
+
+def transformers_module() -> ModuleType:
+    """``transformers``, imported when a workload first needs it: magis itself runs without it."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as err:
+        raise MissingDependency(
+            "this workload is a transformers model and transformers is not installed: pip install 'magis[models]'"
+        ) from err
+
+
 def _instantiate(model_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
     """``model_class(config)``; under ``FakeTensorMode`` without weight initialization.
 
@@ -139,7 +143,7 @@ def _instantiate(model_class: type[PreTrainedModel], config: PretrainedConfig) -
     """
     if detect_fake_mode() is None:
         return model_class(config)
-    with no_init_weights():
+    with importlib.import_module("transformers.initialization").no_init_weights():
         model = model_class(config)
     model.tie_weights()
     return model
@@ -170,7 +174,8 @@ def _language_model(model: PreTrainedModel, sizes: dict, batch: int) -> Built:
 
 
 def _build_resnet(sizes: dict, batch: int) -> Built:
-    config = ResNetConfig(
+    hf = transformers_module()
+    config = hf.ResNetConfig(
         embedding_size=sizes["embedding"],
         hidden_sizes=list(sizes["hidden_sizes"]),
         depths=list(sizes["depths"]),
@@ -178,11 +183,12 @@ def _build_resnet(sizes: dict, batch: int) -> Built:
         num_labels=sizes["labels"],
         problem_type="single_label_classification",
     )
-    return _classification(_instantiate(ResNetForImageClassification, config), sizes, batch)
+    return _classification(_instantiate(hf.ResNetForImageClassification, config), sizes, batch)
 
 
 def _build_bert(sizes: dict, batch: int) -> Built:
-    config = BertConfig(
+    hf = transformers_module()
+    config = hf.BertConfig(
         vocab_size=sizes["vocab"],
         hidden_size=sizes["hidden"],
         num_hidden_layers=sizes["layers"],
@@ -190,7 +196,7 @@ def _build_bert(sizes: dict, batch: int) -> Built:
         intermediate_size=sizes["intermediate"],
         max_position_embeddings=sizes["max_positions"],
     )
-    model = _instantiate(BertForMaskedLM, config)
+    model = _instantiate(hf.BertForMaskedLM, config)
     # The MLM head registers its output bias twice, as ``cls.predictions.bias`` and as the
     # tied ``cls.predictions.decoder.bias``. aot_export_module lifts every registration
     # as its own graph input; the one forward never reads gets no gradient and export
@@ -201,7 +207,8 @@ def _build_bert(sizes: dict, batch: int) -> Built:
 
 
 def _build_vit(sizes: dict, batch: int) -> Built:
-    config = ViTConfig(
+    hf = transformers_module()
+    config = hf.ViTConfig(
         image_size=sizes["image"],
         patch_size=sizes["patch"],
         hidden_size=sizes["hidden"],
@@ -211,7 +218,7 @@ def _build_vit(sizes: dict, batch: int) -> Built:
         num_labels=sizes["labels"],
         problem_type="single_label_classification",
     )
-    return _classification(_instantiate(ViTForImageClassification, config), sizes, batch)
+    return _classification(_instantiate(hf.ViTForImageClassification, config), sizes, batch)
 
 
 def _segmentation(network: nn.Module, sizes: dict, batch: int) -> Built:
@@ -236,7 +243,8 @@ def _build_unetpp(sizes: dict, batch: int) -> Built:
 
 
 def _build_gpt_neo(sizes: dict, batch: int) -> Built:
-    config = GPTNeoConfig(
+    hf = transformers_module()
+    config = hf.GPTNeoConfig(
         vocab_size=sizes["vocab"],
         max_position_embeddings=sizes["max_positions"],
         hidden_size=sizes["hidden"],
@@ -249,7 +257,7 @@ def _build_gpt_neo(sizes: dict, batch: int) -> Built:
         use_cache=True,
     )
     # GPT-Neo has only the eager attention implementation in transformers (no sdpa).
-    return _language_model(_instantiate(GPTNeoForCausalLM, config), sizes, batch)
+    return _language_model(_instantiate(hf.GPTNeoForCausalLM, config), sizes, batch)
 
 
 def _build_btlm(sizes: dict, batch: int) -> Built:
@@ -266,7 +274,8 @@ def _build_btlm(sizes: dict, batch: int) -> Built:
     constant multipliers (embedding scale, 1/d attention scaling, output logit scale).
     The matmul shapes, and so the memory and time profile, are BTLM's.
     """
-    config = LlamaConfig(
+    hf = transformers_module()
+    config = hf.LlamaConfig(
         vocab_size=sizes["vocab"],
         hidden_size=sizes["hidden"],
         intermediate_size=sizes["intermediate"],
@@ -282,7 +291,7 @@ def _build_btlm(sizes: dict, batch: int) -> Built:
         eos_token_id=sizes["vocab"] - 1,
         use_cache=True,
     )
-    return _language_model(_instantiate(LlamaForCausalLM, config), sizes, batch)
+    return _language_model(_instantiate(hf.LlamaForCausalLM, config), sizes, batch)
 
 
 # Architecture sizes of the paper's models; presets override some and add batch and input sizes.
