@@ -184,12 +184,12 @@ def _measure_all(
         peak, result = protocol.measure_peak(runnable.step, resident, seed)
         gradients = {**result.gradients, "<loss>": result.loss}
         reference = gradients if reference is None else reference
-        comparison = compare_gradients(reference, gradients)
-        if not comparison.same_names or comparison.max_error > GRADIENT_TOLERANCE:
+        versus_eager = compare_gradients(reference, gradients)
+        if not versus_eager.same_names or versus_eager.max_error > GRADIENT_TOLERANCE:
             raise RuntimeError(
-                f"{variant.name} does not compute eager's gradients on {subject.workload}: {comparison.describe()}"
+                f"{variant.name} does not compute eager's gradients on {subject.workload}: {versus_eager.describe()}"
             )
-        errors[variant] = comparison.max_error
+        errors[variant] = versus_eager.max_error
         steps[variant], peaks[variant] = runnable.step, peak
         say(
             f"{variant.name}: peak {peak / 2**20:.1f} MiB, gradients match eager "

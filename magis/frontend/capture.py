@@ -177,7 +177,7 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
     start = time.perf_counter()
     step = _TrainingStep(model, loss_fn)
     try:
-        with _without_stack_traces(), planning_mode(model, example_inputs) as inputs:
+        with _without_stack_traces(), traced_as_by_compile(), planning_mode(model, example_inputs) as inputs:
             try:
                 gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
             except AssertionError as err:
@@ -260,6 +260,23 @@ def _meta_state_faked(model: torch.nn.Module, mode: FakeTensorMode) -> Iterator[
     finally:
         for table, attr, tensor in swapped:
             table[attr] = tensor
+
+
+@contextlib.contextmanager
+def traced_as_by_compile() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is True while the step is traced, as under torch.compile.
+
+    Libraries guard checks on tensor values that only pick a fast path or warn (e.g.
+    transformers' "padding without an attention mask" warning reads ``input_ids``)
+    with it, and take the traceable path when compiled; a graph capture is a trace
+    too. The eager reference keeps the flag as it was (False).
+    """
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
 
 
 @contextlib.contextmanager

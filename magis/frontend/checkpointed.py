@@ -36,6 +36,7 @@ from magis.frontend.capture import (
     explain_capture_failure,
     graph_from_step_fx,
     propagate_fake_values,
+    traced_as_by_compile,
 )
 from magis.ir.graph import Graph, Signature
 
@@ -84,7 +85,7 @@ def capture_checkpointed(model: torch.nn.Module, example_inputs: Sequence[Any], 
         raise CaptureError("example_inputs must be a tuple of positional arguments")
     step = _GradientStep(model, loss_fn)
     try:
-        with set_checkpoint_early_stop(False):
+        with set_checkpoint_early_stop(False), traced_as_by_compile():
             gm, sig = aot_export_module(step, tuple(example_inputs), trace_joint=False)
     except CaptureError:
         raise

@@ -1,0 +1,408 @@
+"""Which models magis captures and trains exactly: a sweep over the model zoo.
+
+Every architecture that transformers registers for causal LM, masked LM, seq2seq LM,
+image classification and sequence classification, plus diffusers' ``UNet2DModel``,
+``UNet2DConditionModel`` and ``AutoencoderKL``, is built from its configuration
+shrunk to a few layers of a few dozen channels (random weights, nothing downloaded),
+in train mode, and put through :func:`magis.profile` with ``run=True``. Each gets
+one :class:`Verdict`:
+
+- ``not built`` / ``eager fails``: the small configuration cannot be built, or eager
+  PyTorch cannot train it on CPU (a model that needs inputs or a device we do not
+  give it). These are outside the denominator: there is nothing to compare with.
+- ``pass``: captured, the gradients cover the same parameters as eager's and equal
+  them (:data:`GRADIENT_TOLERANCE`), and the simulated peak equals the measured one
+  (:data:`PEAK_TOLERANCE`).
+- ``refused``: capture failed with a :class:`~magis.CaptureError` that names its
+  cause (grouped by :func:`cause_of`).
+- ``wrong``: captured, but a gradient is missing, extra or different, or the peak
+  is off: the failures that must never happen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from magis.api import profile
+from magis.frontend.capture import CaptureError
+from magis.models.workloads import HFTask, transformers_module
+
+#: largest relative gradient difference to eager's that still counts as equal (float64)
+GRADIENT_TOLERANCE = 1e-7
+#: largest relative difference of simulated to measured peak that counts as equal
+PEAK_TOLERANCE = 0.02
+#: a small configuration above this many parameters is not small: not built
+MAX_PARAMETERS = 20_000_000
+
+BATCH, SEQUENCE, TARGET_SEQUENCE, IMAGE, VOCAB, LABELS = 2, 16, 8, 32, 128, 3
+
+#: transformers' registries swept, task -> name of the mapping in ``transformers.models.auto.modeling_auto``
+TASKS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+}
+DIFFUSERS = ("UNet2DModel", "UNet2DConditionModel", "AutoencoderKL")
+
+#: the fast sample run in CI: architectures chosen to cover distinct op sets
+SAMPLE: frozenset[str] = frozenset()
+
+#: configuration fields set to small values wherever a configuration (or a sub-configuration) has them
+SMALL_SIZES: dict[str, int] = {
+    "hidden_size": 32,
+    "d_model": 32,
+    "n_embd": 32,
+    "dim": 32,
+    "embed_dim": 32,
+    "word_embed_proj_dim": 32,
+    "embedding_size": 32,
+    "projection_dim": 32,
+    "intermediate_size": 64,
+    "ffn_dim": 64,
+    "d_ff": 64,
+    "n_inner": 64,
+    "hidden_dim": 64,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_layers": 2,
+    "n_layer": 2,
+    "n_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_decoder_layers": 2,
+    "num_attention_heads": 4,
+    "num_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "d_kv": 8,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "n_ctx": 64,
+    "image_size": IMAGE,
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model class to sweep: a transformers class for a task, or a diffusers model."""
+
+    task: str
+    model_type: str
+    class_name: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.class_name} ({self.task})"
+
+
+@dataclass
+class Verdict:
+    """What happened to one architecture (see the module docstring for the statuses)."""
+
+    architecture: str
+    task: str
+    status: str
+    cause: str = ""
+    nodes: int | None = None
+    parameters: int | None = None
+    max_grad_error: float | None = None
+    missing_gradients: list[str] = field(default_factory=list)
+    extra_gradients: list[str] = field(default_factory=list)
+    simulated_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def counted(self) -> bool:
+        """In the denominator: eager PyTorch trains this architecture."""
+        return self.status in ("pass", "refused", "wrong")
+
+
+def architectures(tasks: tuple[str, ...] = tuple(TASKS), with_diffusers: bool = True) -> list[Architecture]:
+    """Every architecture of transformers' registries for ``tasks`` (and diffusers' three)."""
+    auto = importlib.import_module("transformers.models.auto.modeling_auto")
+    unique: dict[tuple[str, str], Architecture] = {}
+    for task in tasks:
+        for model_type, class_name in getattr(auto, TASKS[task]).items():
+            if isinstance(class_name, str):  # several model types may share a class: sweep it once
+                unique.setdefault((task, class_name), Architecture(task, model_type, class_name))
+    found = list(unique.values())
+    if with_diffusers:
+        found += [Architecture("diffusion", name, name) for name in DIFFUSERS]
+    return found
+
+
+def shrink(config: Any) -> Any:
+    """``config`` with every known size field (and those of its sub-configurations) made small."""
+    for key, value in list(vars(config).items()):
+        if key.startswith("_"):
+            continue
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            shrink(value)
+        elif key == "num_labels":
+            config.num_labels = LABELS
+        elif key in SMALL_SIZES and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, key, min(value, SMALL_SIZES[key]))
+        elif key in ("depths", "num_heads", "hidden_sizes", "embed_dims", "num_attention_heads") and isinstance(
+            value, (list, tuple)
+        ):
+            setattr(config, key, _small_list(key, value))
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        config.num_key_value_heads = heads
+    for token, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
+        if getattr(config, token, None) is None or isinstance(getattr(config, token), int):
+            setattr(config, token, value)
+    for probability in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout"):
+        if isinstance(getattr(config, probability, None), float):
+            setattr(config, probability, min(getattr(config, probability), 0.1))
+    return config
+
+
+def _small_list(key: str, values: list | tuple) -> list:
+    stages = min(len(values), 2)
+    if key == "depths":
+        return [1] * stages
+    if key in ("num_heads", "num_attention_heads"):
+        return [2] * stages
+    return [16 * 2**i for i in range(stages)]
+
+
+def build(arch: Architecture, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The architecture at its small configuration (train mode, seeded, float64) and a batch for it.
+
+    Float64, so that the gradient check sees any real difference from eager's and no
+    float32 round-off (summation orders differ between kernels: diffusers' U-Net
+    differs from itself by 1e-4 in float32, by 1e-13 in float64).
+    """
+    model, inputs = _build(arch, seed)
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    return model.double(), inputs
+
+
+def _build(arch: Architecture, seed: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(seed)
+    if arch.task == "diffusion":
+        return _build_diffusers(arch.class_name)
+    hf = transformers_module()
+    config = shrink(hf.AutoConfig.for_model(arch.model_type))
+    with torch.device("meta"):
+        size = sum(p.numel() for p in getattr(hf, arch.class_name)(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"the small configuration still has {size:,} parameters")
+    model = getattr(hf, arch.class_name)(config).train()
+    ids = torch.randint(3, VOCAB, (BATCH, SEQUENCE))
+    ids[:, -1] = config.eos_token_id  # sequence classifiers built on T5 pool at the end-of-sequence token
+    if arch.task in ("causal-lm", "masked-lm"):
+        return HFTask(model, ("input_ids", "labels")), (ids, ids.clone())
+    if arch.task == "seq2seq-lm":
+        return HFTask(model, ("input_ids", "labels")), (ids, torch.randint(3, VOCAB, (BATCH, TARGET_SEQUENCE)))
+    if arch.task == "sequence-classification":
+        return HFTask(model, ("input_ids", "labels")), (ids, torch.randint(0, LABELS, (BATCH,)))
+    channels = getattr(config, "num_channels", 3)
+    size = getattr(config, "image_size", IMAGE)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    pixels = torch.randn(BATCH, channels, size, size)
+    return HFTask(model, ("pixel_values", "labels")), (pixels, torch.randint(0, LABELS, (BATCH,)))
+
+
+class _DenoisingLoss(nn.Module):
+    """A diffusers model trained as its users do: mean squared error of ``.sample`` to a target."""
+
+    def __init__(self, model: nn.Module, extra: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.extra = extra
+
+    def forward(self, sample: torch.Tensor, target: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        output = self.model(sample, *extra).sample
+        return nn.functional.mse_loss(output, target)
+
+
+def _build_diffusers(class_name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    diffusers = importlib.import_module("diffusers")
+    blocks = {"block_out_channels": (16, 32), "norm_num_groups": 8}
+    sample = torch.randn(BATCH, 4, 16, 16)
+    if class_name == "UNet2DModel":
+        model = diffusers.UNet2DModel(
+            sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, attention_head_dim=8,
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+            **blocks,
+        )  # fmt: skip
+        return _DenoisingLoss(model, ("timestep",)).train(), (sample, torch.randn_like(sample), torch.tensor([10]))
+    if class_name == "UNet2DConditionModel":
+        model = diffusers.UNet2DConditionModel(
+            sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, cross_attention_dim=32,
+            attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), **blocks,
+        )  # fmt: skip
+        text = torch.randn(BATCH, 7, 32)
+        return _DenoisingLoss(model, ("timestep", "text")).train(), (
+            sample,
+            torch.randn_like(sample),
+            torch.tensor([10]),
+            text,
+        )
+    model = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, **blocks,
+    )  # fmt: skip
+    image = torch.randn(BATCH, 3, 16, 16)
+    return _DenoisingLoss(model, ()).train(), (image, torch.randn_like(image))
+
+
+def check(arch: Architecture, seed: int = 0) -> Verdict:
+    """Build, train eagerly, then capture and run with magis: one :class:`Verdict`."""
+    start = time.perf_counter()
+    verdict = Verdict(arch.name, arch.task, "not built")
+    try:
+        model, inputs = build(arch, seed)
+    except Exception as err:  # a configuration the shrinking broke, a missing optional package...
+        verdict.cause = _first_line(err)
+        return _timed(verdict, start)
+    verdict.parameters = sum(p.numel() for p in model.parameters())
+    try:
+        torch.manual_seed(seed)
+        loss = model(*inputs)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    except Exception as err:
+        verdict.status, verdict.cause = "eager fails", _first_line(err)
+        return _timed(verdict, start)
+    try:
+        report = profile(model, inputs, run=True, device="h200", seed=seed)  # latency is not checked here
+    except CaptureError as err:
+        verdict.status, verdict.cause = "refused", cause_of(str(err))
+        return _timed(verdict, start)
+    except Exception as err:  # an error that names no cause is a failure of magis
+        verdict.status, verdict.cause = "wrong", f"{type(err).__name__} after capture: {_first_line(err)}"
+        return _timed(verdict, start)
+    verdict.nodes = report["nodes"]
+    verdict.max_grad_error = report["max_grad_error"]
+    verdict.missing_gradients = report["missing_gradients"]
+    verdict.extra_gradients = report["extra_gradients"]
+    verdict.simulated_peak_bytes = report["simulated_peak_bytes"]
+    verdict.measured_peak_bytes = report["measured_peak_bytes"]
+    peak_error = abs(verdict.simulated_peak_bytes - verdict.measured_peak_bytes) / verdict.measured_peak_bytes
+    if verdict.missing_gradients or verdict.extra_gradients:
+        verdict.status, verdict.cause = "wrong", "gradients for other parameters than eager's"
+    elif not verdict.max_grad_error <= GRADIENT_TOLERANCE:
+        verdict.status, verdict.cause = "wrong", f"gradients differ from eager's by {verdict.max_grad_error:.2g}"
+    elif peak_error > PEAK_TOLERANCE:
+        verdict.status, verdict.cause = "wrong", f"simulated peak off the measured one by {peak_error:.1%}"
+    else:
+        verdict.status = "pass"
+    return _timed(verdict, start)
+
+
+def cause_of(message: str) -> str:
+    """A capture error's cause without the instance details (shapes, node names), to group by."""
+    cause = re.sub(r"\(node [^)]*\)", "", message.splitlines()[0])
+    cause = re.sub(r"size=\([^)]*\)|\[[^\]]*\]|\d+", "#", cause)
+    return cause[:160].strip()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _timed(verdict: Verdict, start: float) -> Verdict:
+    verdict.seconds = time.perf_counter() - start
+    return verdict
+
+
+@dataclass
+class Summary:
+    """Counts over a sweep, and the causes of the refusals and failures."""
+
+    verdicts: list[Verdict]
+
+    def count(self, status: str) -> int:
+        return sum(v.status == status for v in self.verdicts)
+
+    @property
+    def counted(self) -> int:
+        return sum(v.counted for v in self.verdicts)
+
+    @property
+    def pass_rate(self) -> float:
+        return self.count("pass") / self.counted if self.counted else 0.0
+
+    def causes(self, status: str) -> dict[str, list[str]]:
+        grouped: dict[str, list[str]] = {}
+        for v in self.verdicts:
+            if v.status == status:
+                grouped.setdefault(v.cause, []).append(v.architecture)
+        return dict(sorted(grouped.items(), key=lambda kv: -len(kv[1])))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "architectures": len(self.verdicts),
+            "counted": self.counted,
+            "pass": self.count("pass"),
+            "refused": self.count("refused"),
+            "wrong": self.count("wrong"),
+            "eager_fails": self.count("eager fails"),
+            "not_built": self.count("not built"),
+            "pass_rate": self.pass_rate,
+            "refused_causes": self.causes("refused"),
+            "wrong_causes": self.causes("wrong"),
+            "eager_fails_causes": self.causes("eager fails"),
+            "not_built_causes": self.causes("not built"),
+            "verdicts": [asdict(v) for v in self.verdicts],
+        }
+
+    def markdown(self) -> str:
+        """The table a person reads: counts, causes grouped, one line per architecture."""
+        lines = [
+            "# magis coverage",
+            "",
+            f"{self.counted} architectures eager PyTorch trains on CPU (of {len(self.verdicts)} swept): "
+            f"**{self.count('pass')} pass** ({self.pass_rate:.1%}), {self.count('refused')} refused with a "
+            f"named cause, **{self.count('wrong')} wrong**. Not counted: {self.count('eager fails')} eager "
+            f"fails, {self.count('not built')} not built from a small configuration.",
+        ]
+        for status in ("wrong", "refused", "eager fails", "not built"):
+            causes = self.causes(status)
+            if not causes:
+                continue
+            lines += ["", f"## {status}: causes", "", "| cause | count | architectures |", "|---|---|---|"]
+            lines += [f"| {_cell(c)} | {len(a)} | {_cell(', '.join(a))} |" for c, a in causes.items()]
+        lines += [
+            "",
+            "## every architecture",
+            "",
+            "| architecture | status | nodes | max grad error | simulated / measured peak | cause |",
+            "|---|---|---|---|---|---|",
+        ]
+        for v in self.verdicts:
+            peak = f"{v.simulated_peak_bytes} / {v.measured_peak_bytes}" if v.measured_peak_bytes else ""
+            error = f"{v.max_grad_error:.1e}" if v.max_grad_error is not None else ""
+            lines.append(f"| {v.architecture} | {v.status} | {v.nodes or ''} | {error} | {peak} | {_cell(v.cause)} |")
+        return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
