@@ -19,7 +19,16 @@ from pathlib import Path
 from driver import write_json
 from tqdm import tqdm
 
-from magis.bench.coverage import SAMPLE, Architecture, Summary, Verdict, architectures, check
+from magis.bench.coverage import (
+    SAMPLE,
+    SAMPLE_SIZE,
+    Architecture,
+    Summary,
+    Verdict,
+    architectures,
+    check,
+    choose_sample,
+)
 
 
 def _child(arch: Architecture, queue: multiprocessing.Queue) -> None:
@@ -52,7 +61,7 @@ def main() -> None:
 
     chosen = architectures()
     if args.sample:
-        chosen = [a for a in chosen if a.class_name in SAMPLE]
+        chosen = [a for a in chosen if a.name in SAMPLE]
     if args.only:
         parts = [p for p in args.only.split(",") if p]
         chosen = [a for a in chosen if any(p in a.class_name for p in parts)]
@@ -75,6 +84,8 @@ def main() -> None:
         f"not counted: {summary.count('eager fails')} eager fails, {summary.count('not built')} not built. "
         f"Wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}"
     )
+    if not args.sample:
+        print(f"sample covering the most distinct operators: {choose_sample(verdicts, SAMPLE_SIZE)}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from torch import nn
 
 from magis.analysis.dgraph import DGraph, build_dgraph, links
 from magis.analysis.dim_rules import op_dims, reshape_links, scale_sizes
+from magis.analysis.ftrans import FTrans, InvalidFission, is_valid, plan_fission
 from magis.analysis.ftree import Candidate, FTree, build_ftree, next_divisor, unsupported_ops
 from magis.backend.eager import buffers_snapshot, eager_step, restore_buffers
 from magis.backend.meter import LiveTensorMeter, resident_tensors
@@ -33,15 +34,7 @@ from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta, iter_refs, map_refs
 from magis.models import WORKLOADS, Built
-from magis.rules.fission import (
-    FissionRegion,
-    FTrans,
-    InvalidFission,
-    estimate_peak,
-    fission,
-    is_valid,
-    plan_fission,
-)
+from magis.rules.fission import FissionRegion, estimate_peak, fission
 from magis.rules.ftree_mutation import apply_ftree, disable, enable, lift, mutate, mutations
 from magis.rules.separable import make_separable
 from magis.schedule import schedule

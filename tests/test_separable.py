@@ -15,9 +15,10 @@ import torch
 from test_fission import assert_runs_like_eager, captured, in_float64
 from torch import nn
 
+from magis.analysis.ftrans import FTrans
 from magis.ir.graph import Graph, TensorMeta
 from magis.models import WORKLOADS, Built
-from magis.rules.fission import FTrans, fission
+from magis.rules.fission import fission
 from magis.rules.separable import (
     make_separable,
     normalise_loss_by_labels,

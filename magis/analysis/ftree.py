@@ -27,9 +27,7 @@ import rustworkx as rx
 
 from magis.analysis.dgraph import DGraph, Dimension, build_dgraph
 from magis.analysis.dim_rules import Axis
-from magis.cost.memory import MemoryProfile, StorageKey
-from magis.ir.graph import Graph
-from magis.rules.fission import (
+from magis.analysis.ftrans import (
     FTrans,
     InvalidFission,
     convexity_breakers,
@@ -39,6 +37,8 @@ from magis.rules.fission import (
     unlinked_reads,
     weak_components,
 )
+from magis.cost.memory import MemoryProfile, StorageKey
+from magis.ir.graph import Graph
 
 #: Algorithm 1's default number of score levels (L = 4 in the paper's evaluation).
 DEFAULT_LEVELS = 4

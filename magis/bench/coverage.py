@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from magis.api import profile
-from magis.frontend.capture import CaptureError
+from magis.api import measure_against_eager
+from magis.cost.memory import simulate_memory
+from magis.frontend.capture import CaptureError, capture
 from magis.models.workloads import HFTask, transformers_module
 
 #: largest relative gradient difference to eager's that still counts as equal (float64)
@@ -53,8 +54,9 @@ TASKS = {
 }
 DIFFUSERS = ("UNet2DModel", "UNet2DConditionModel", "AutoencoderKL")
 
-#: the fast sample run in CI: architectures chosen to cover distinct op sets
+#: the fast sample run in CI (names of :class:`Architecture`): :func:`choose_sample` over a full sweep
 SAMPLE: frozenset[str] = frozenset()
+SAMPLE_SIZE = 20
 
 #: configuration fields set to small values wherever a configuration (or a sub-configuration) has them
 SMALL_SIZES: dict[str, int] = {
@@ -131,6 +133,7 @@ class Verdict:
     simulated_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
     seconds: float = 0.0
+    ops: list[str] = field(default_factory=list)  # the distinct operators of the captured step
 
     @property
     def counted(self) -> bool:
@@ -291,19 +294,22 @@ def check(arch: Architecture, seed: int = 0) -> Verdict:
         verdict.status, verdict.cause = "eager fails", _first_line(err)
         return _timed(verdict, start)
     try:
-        report = profile(model, inputs, run=True, device="h200", seed=seed)  # latency is not checked here
+        graph = capture(model, inputs)
     except CaptureError as err:
         verdict.status, verdict.cause = "refused", cause_of(str(err))
         return _timed(verdict, start)
-    except Exception as err:  # an error that names no cause is a failure of magis
+    verdict.nodes, verdict.ops = len(graph), sorted({n.op_name for n in graph.nodes if n.target is not None})
+    try:
+        order = [n.name for n in graph.nodes]
+        verdict.simulated_peak_bytes = simulate_memory(graph, order).peak
+        measured = measure_against_eager(graph, order, model, inputs, None, seed)
+    except Exception as err:  # captured, then an error that names no cause: a failure of magis
         verdict.status, verdict.cause = "wrong", f"{type(err).__name__} after capture: {_first_line(err)}"
         return _timed(verdict, start)
-    verdict.nodes = report["nodes"]
-    verdict.max_grad_error = report["max_grad_error"]
-    verdict.missing_gradients = report["missing_gradients"]
-    verdict.extra_gradients = report["extra_gradients"]
-    verdict.simulated_peak_bytes = report["simulated_peak_bytes"]
-    verdict.measured_peak_bytes = report["measured_peak_bytes"]
+    verdict.max_grad_error = measured["max_grad_error"]
+    verdict.missing_gradients = measured["missing_gradients"]
+    verdict.extra_gradients = measured["extra_gradients"]
+    verdict.measured_peak_bytes = measured["measured_peak_bytes"]
     peak_error = abs(verdict.simulated_peak_bytes - verdict.measured_peak_bytes) / verdict.measured_peak_bytes
     if verdict.missing_gradients or verdict.extra_gradients:
         verdict.status, verdict.cause = "wrong", "gradients for other parameters than eager's"
@@ -314,6 +320,22 @@ def check(arch: Architecture, seed: int = 0) -> Verdict:
     else:
         verdict.status = "pass"
     return _timed(verdict, start)
+
+
+def choose_sample(verdicts: list[Verdict], size: int) -> list[str]:
+    """Greedy maximum coverage: ``size`` architectures whose captured steps hold the most distinct
+    operators together (each pick adds the most operators not yet held; ties: fewer nodes)."""
+    captured = [v for v in verdicts if v.ops]
+    held: set[str] = set()
+    chosen: list[str] = []
+    while captured and len(chosen) < size:
+        best = max(captured, key=lambda v: (len(set(v.ops) - held), -(v.nodes or 0)))
+        if not set(best.ops) - held:
+            break
+        chosen.append(best.architecture)
+        held |= set(best.ops)
+        captured.remove(best)
+    return chosen
 
 
 def cause_of(message: str) -> str:

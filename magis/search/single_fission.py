@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from magis.analysis.dgraph import DGraph, build_dgraph
+from magis.analysis.ftrans import FTrans, InvalidFission
 from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, build_ftree, next_divisor
 from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
-from magis.rules.fission import FTrans, InvalidFission, fission, fissioned_order
+from magis.rules.fission import fission, fissioned_order
 from magis.rules.separable import make_separable
 
 #: largest fission number tried for a candidate (beyond its smallest divisor).
