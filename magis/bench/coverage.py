@@ -35,8 +35,9 @@ from magis.cost.memory import simulate_memory
 from magis.frontend.capture import CaptureError, capture
 from magis.models.workloads import HFTask, transformers_module
 
-#: largest relative gradient difference to eager's that still counts as equal (float64)
-GRADIENT_TOLERANCE = 1e-7
+#: largest relative gradient difference to eager's that still counts as equal (float64; a tensor
+#: near the noise floor of compare_gradients reads float64 round-off as up to ~1e-7)
+GRADIENT_TOLERANCE = 1e-6
 #: largest relative difference of simulated to measured peak that counts as equal
 PEAK_TOLERANCE = 0.02
 #: a small configuration above this many parameters is not small: not built
