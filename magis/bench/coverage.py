@@ -10,6 +10,8 @@ one :class:`Verdict`:
 - ``not built`` / ``eager fails``: the small configuration cannot be built, or eager
   PyTorch cannot train it on CPU (a model that needs inputs or a device we do not
   give it). These are outside the denominator: there is nothing to compare with.
+- ``timed out``: the sweep's driver gave up on it (a model whose CPU reference
+  kernels are slow, such as a sequential state-space scan); listed, not counted.
 - ``pass``: captured, the gradients cover the same parameters as eager's and equal
   them (:data:`GRADIENT_TOLERANCE`), and the simulated peak equals the measured one
   (:data:`PEAK_TOLERANCE`).
@@ -389,6 +391,7 @@ class Summary:
             "wrong": self.count("wrong"),
             "eager_fails": self.count("eager fails"),
             "not_built": self.count("not built"),
+            "timed_out": self.count("timed out"),
             "pass_rate": self.pass_rate,
             "refused_causes": self.causes("refused"),
             "wrong_causes": self.causes("wrong"),
@@ -405,9 +408,10 @@ class Summary:
             f"{self.counted} architectures eager PyTorch trains on CPU (of {len(self.verdicts)} swept): "
             f"**{self.count('pass')} pass** ({self.pass_rate:.1%}), {self.count('refused')} refused with a "
             f"named cause, **{self.count('wrong')} wrong**. Not counted: {self.count('eager fails')} eager "
-            f"fails, {self.count('not built')} not built from a small configuration.",
+            f"fails, {self.count('not built')} not built from a small configuration, "
+            f"{self.count('timed out')} timed out.",
         ]
-        for status in ("wrong", "refused", "eager fails", "not built"):
+        for status in ("wrong", "refused", "timed out", "eager fails", "not built"):
             causes = self.causes(status)
             if not causes:
                 continue
