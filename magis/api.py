@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,6 +136,7 @@ def optimize(
         raise ValueError(f"latency_limit is a ratio to the captured step's latency, at least 1; got {latency_limit!r}")
     if not time_budget > 0:
         raise ValueError(f"time_budget must be a positive number of seconds, got {time_budget!r}")
+    memory_bytes = None if memory_limit is None else _memory_limit(memory_limit)  # bad options fail before capture
     fake = is_fake(model)
     device = device or ("h200" if fake else _local_device(model))
     latency_model = cost_model(device)
@@ -145,7 +146,7 @@ def optimize(
         captured = [n.name for n in graph.nodes]
         memory = simulate_memory(graph, captured)
         latency = estimate_latency(graph, captured, latency_model).total_s
-        objective = _objective(memory_limit, latency_limit, memory.peak, latency)
+        objective = _objective(memory_bytes, latency_limit, memory.peak, latency)
         floor = floor_bytes(graph, memory)
         if objective.memory_bytes is not None and objective.memory_bytes < floor:
             raise InfeasibleLimit(
@@ -192,35 +193,29 @@ def parse_bytes(text: str) -> int:
 
 
 def _objective(
-    memory_limit: int | str | float | None, latency_limit: float | None, peak: int, latency: float
+    memory_bytes: Callable[[int], int] | None, latency_limit: float | None, peak: int, latency: float
 ) -> Objective:
     latency_s = None if latency_limit is None else latency_limit * latency
-    if memory_limit is None:
+    if memory_bytes is None:
         return Objective("latency", latency_s=latency * DEFAULT_LATENCY_RATIO if latency_s is None else latency_s)
-    return Objective("memory", memory_bytes=_memory_bytes(memory_limit, peak), latency_s=latency_s)
+    return Objective("memory", memory_bytes=memory_bytes(peak), latency_s=latency_s)
 
 
-def _memory_bytes(limit: int | str | float, peak: int) -> int:
-    """A memory limit in bytes (see :func:`optimize`)."""
-    if isinstance(limit, bool):
+def _memory_limit(limit: int | str | float) -> Callable[[int], int]:
+    """Check a memory limit (see :func:`optimize`); return the bytes it means for a captured peak."""
+    if isinstance(limit, bool) or not isinstance(limit, (int, float, str)):
         raise ValueError(f"memory_limit must be bytes, a size string or a fraction, not {limit!r}")
-    if isinstance(limit, int):
-        if limit <= 0:
-            raise ValueError(f"memory_limit must be a positive number of bytes, got {limit}")
-        return limit
     if isinstance(limit, float):
         if not 0.0 < limit <= 1.0:
             raise ValueError(
                 f"a float memory_limit is a fraction of the captured step's peak, in (0, 1]; got {limit} "
                 "(give bytes as an int or a string such as '6GiB')"
             )
-        return int(limit * peak)
-    if isinstance(limit, str):
-        value = parse_bytes(limit)
-        if value <= 0:
-            raise ValueError(f"memory_limit must be positive, got {limit!r}")
-        return value
-    raise ValueError(f"memory_limit must be bytes, a size string or a fraction, not {type(limit).__name__}")
+        return lambda peak: int(limit * peak)
+    value = parse_bytes(limit) if isinstance(limit, str) else limit
+    if value <= 0:
+        raise ValueError(f"memory_limit must be a positive number of bytes, got {limit!r}")
+    return lambda _peak: value
 
 
 def _infeasible(objective: Objective, peak: int, latency: float, baseline_latency: float, floor: int) -> str:
