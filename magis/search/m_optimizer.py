@@ -98,10 +98,10 @@ class Objective:
         return self.rank(a.peak_bytes, a.latency_s) < self.rank(b.peak_bytes, b.latency_s)
 
     def acceptable(self, state: MState, best: MState, delta: float = DELTA) -> bool:
-        """The relaxed test of Alg. 3: ``state`` is no worse than ``best`` with its peak and
-        latency scaled by ``delta``."""
-        relaxed = self.rank(best.peak_bytes * delta, best.latency_s * delta)
-        return self.rank(state.peak_bytes, state.latency_s) <= relaxed
+        """The relaxed test of Alg. 3: ``state`` is no worse than ``best`` with the figures
+        ``best`` is ranked by scaled by ``delta`` (whether ``best`` meets the limit stays as it is)."""
+        meets, first, second = self.rank(best.peak_bytes, best.latency_s)
+        return self.rank(state.peak_bytes, state.latency_s) <= (meets, first * delta, second * delta)
 
     def met_by(self, state: MState) -> bool:
         """Whether ``state`` meets every limit given."""
