@@ -9,7 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 from test_fission import assert_runs_like_eager, captured, in_float64
+from torch import nn
 
+from magis.frontend.capture import capture
 from magis.ir.graph import Graph, Ref, map_refs
 from magis.models import WORKLOADS
 from magis.rules.algebraic import (
@@ -124,3 +126,26 @@ def test_wl_hash_tells_different_graphs_apart(bert):
         graph.order_edges,
     )
     assert wl_hash(swapped) != base
+
+
+class Chain(nn.Module):
+    """Forty ReLUs, one of them a tanh: where it sits is all that tells two chains apart
+    (further from either end than a few rounds of refinement reach)."""
+
+    def __init__(self, odd: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8))
+        self.odd = odd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.w
+        for i in range(40):
+            y = torch.tanh(y) if i == self.odd else torch.relu(y)
+        return y.sum()
+
+
+def test_wl_hash_tells_where_a_block_sits_in_a_long_chain():
+    x = torch.randn(4, 8)
+    hashes = {odd: wl_hash(capture(Chain(odd), (x,))) for odd in (12, 20, 28)}
+    assert len(set(hashes.values())) == 3
+    assert wl_hash(capture(Chain(20), (x,))) == hashes[20]
