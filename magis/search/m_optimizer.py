@@ -5,9 +5,9 @@ Algorithm 3 (MAGIS §6.2), as implemented here:
 - lines 9-10: the captured step is scheduled (:func:`magis.schedule.schedule`) and
   becomes the first M-State; the step made separable along its samples gets its
   F-Tree (Algorithm 1) and, as the first level of the search, every state with one
-  F-Tree node enabled at each of its fission numbers (what
-  :mod:`magis.search.single_fission` enumerates), so a plan as good as the best
-  single fission is there from the start;
+  F-Tree node enabled at its smallest fission number (the Mutate rule raises it
+  later, reaching what :mod:`magis.search.single_fission` enumerates), so a
+  feasible plan comes early however large the graph;
 - line 12: the queue pops the best state by ``BetterThan`` (:class:`Objective`);
 - lines 13-17: every registered M-Rule (:mod:`magis.search.registry`) makes new
   states: an F-Tree rule changes fission numbers, a graph rule rewrites the graph
@@ -18,7 +18,8 @@ Algorithm 3 (MAGIS §6.2), as implemented here:
 - line 18: each new graph is scheduled incrementally (Alg. 2,
   :func:`magis.schedule.incremental_schedule`) from its parent's schedule; the order
   carried over from the parent (each region where its nodes ran) is kept instead
-  when its peak is lower;
+  when its peak is lower (the first level keeps the carried order: a feasible plan
+  comes fast, and its children are rescheduled);
 - lines 19-21: the state is simulated and pushed when it is not worse than the best
   relaxed by ``δ`` (:data:`DELTA`, 1.1): ``BetterThan(μ', δ·μ_best)``.
 
@@ -41,7 +42,7 @@ from weakref import WeakKeyDictionary
 
 from tqdm import tqdm
 
-from magis.analysis.ftree import DEFAULT_LEVELS, FTree, update_ftree
+from magis.analysis.ftree import DEFAULT_LEVELS, FTree, next_divisor, update_ftree
 from magis.cost.latency import CostModel
 from magis.cost.memory import peak_memory, simulate_memory
 from magis.ir.graph import Graph
@@ -51,7 +52,7 @@ from magis.rules.rewrite import Rewrite
 from magis.schedule import incremental_schedule, schedule
 from magis.search.graph_hash import wl_hash
 from magis.search.registry import MRule, rules
-from magis.search.single_fission import fission_numbers, separable_step
+from magis.search.single_fission import separable_step
 from magis.search.state import EMPTY_TREE, MState, Step, changed_nodes, simulate_state
 
 #: relaxation of the acceptance test (MAGIS §6.2: "empirically set to 1.1")
@@ -60,8 +61,9 @@ DELTA = 1.1
 DEFAULT_MAX_STATES = 2000
 #: seconds for the first, full schedule of the captured step (at most a quarter of the budget)
 SCHEDULE_S = 20.0
-#: seconds for one incremental schedule (Alg. 2)
-INCREMENTAL_S = 2.0
+#: seconds for one incremental schedule (Alg. 2); on a large graph its DP may stop at this
+#: limit, so there the schedule (and the plan) can depend on the machine's speed
+INCREMENTAL_S = 1.0
 
 Mode = Literal["memory", "latency"]
 
@@ -208,22 +210,21 @@ class _Search:
         return simulate_state(graph, order, EMPTY_TREE, graph, order, key, self.cost_model)
 
     def _first_level(self, graph: Graph, initial: MState) -> None:
-        """The separable step with its F-Tree, then each single fission of it."""
+        """The separable step with its F-Tree, then each F-Tree node enabled alone at its smallest ``n``."""
         step = separable_step(graph, initial.order, self.levels)
         root = _Mutation(step.graph, step.order, step.tree, step.graph, step.order, Step("separable", "make separable"))
-        separable = self._evaluate(initial, root)
+        separable = self._evaluate(initial, root, reschedule=False)
         if separable is None:
             return
         self._consider(separable, push=True)
         for i, candidate in enumerate(step.tree.candidates):
-            for parts in fission_numbers(candidate.length):
-                if self._out_of_budget():
-                    return
-                tree = step.tree.with_parts({i: parts})
-                mutation = self._applied(step.graph, step.order, tree, Step("enable", _describe(step.tree, tree)))
-                child = self._evaluate(separable, mutation) if mutation is not None else None
-                if child is not None:
-                    self._consider(child, push=True)
+            if self._out_of_budget():
+                return
+            tree = step.tree.with_parts({i: next_divisor(candidate.length, 1)})
+            mutation = self._applied(step.graph, step.order, tree, Step("enable", _describe(step.tree, tree)))
+            child = self._evaluate(separable, mutation, reschedule=False) if mutation is not None else None
+            if child is not None:
+                self._consider(child, push=True)
 
     def _loop(self) -> None:
         while self.queue:
@@ -300,16 +301,22 @@ class _Search:
             return None
         return _Mutation(base, base_order, tree, applied.graph, applied.order, step)
 
-    def _evaluate(self, parent: MState, mutation: _Mutation) -> MState | None:
-        """Hash, schedule and simulate a mutation of ``parent``; None for a graph seen before."""
+    def _evaluate(self, parent: MState, mutation: _Mutation, reschedule: bool = True) -> MState | None:
+        """Hash, schedule and simulate a mutation of ``parent``; None for a graph seen before.
+
+        Without ``reschedule`` the mutation keeps its carried-over order (the first level:
+        a region runs where its nodes ran, as :mod:`magis.search.single_fission` has it).
+        """
         key = wl_hash(mutation.graph)
         if key in self.seen:
             self.stats.duplicates += 1
             return None
         self.seen.add(key)
-        touched = changed_nodes(parent.graph, mutation.graph)
-        rescheduled = incremental_schedule(parent.graph, parent.order, mutation.graph, touched, INCREMENTAL_S)
-        order = min((mutation.carried, tuple(rescheduled)), key=lambda o: peak_memory(mutation.graph, o))
+        order = mutation.carried
+        if reschedule:
+            touched = changed_nodes(parent.graph, mutation.graph)
+            rescheduled = incremental_schedule(parent.graph, parent.order, mutation.graph, touched, INCREMENTAL_S)
+            order = min((order, tuple(rescheduled)), key=lambda o: peak_memory(mutation.graph, o))
         state = simulate_state(
             mutation.base,
             mutation.base_order,
