@@ -62,6 +62,7 @@ class Plan:
                 "this plan was made for a model on fake or meta tensors: it needs real weights to run "
                 "(optimize the model with its real parameters)"
             )
+        self._check_dtypes(batch)
         result = run_program(self.program, self.model, batch)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
@@ -72,6 +73,14 @@ class Plan:
                 else:
                     param.grad.add_(gradient)
         return result.loss
+
+    def _check_dtypes(self, batch: tuple[Any, ...]) -> None:
+        """Inputs of another dtype than the example's are an error (shapes and their count
+        are checked when the runtime binds them)."""
+        for i, (name, value) in enumerate(zip(self.graph.signature.user_inputs, batch)):
+            meta = self.graph[name].outputs[0]
+            if isinstance(value, torch.Tensor) and meta is not None and value.dtype != meta.dtype:
+                raise ValueError(f"input {i} has dtype {value.dtype}; the plan was made for {meta.dtype}")
 
     def report(self) -> dict[str, Any]:
         """A JSON-able summary: the figures, the transformations applied and the search's statistics."""
@@ -90,8 +99,8 @@ class Plan:
             "latency_ratio": self.latency_s / self.baseline_latency_s,
             "transformations": {
                 "fission": best.regions(),
-                "recomputed": [r["description"] for r in rewrites if "remat" in r["rule"]],
-                "swapped": [r["description"] for r in rewrites if "swap" in r["rule"]],
+                "recomputed": [r["description"] for r in rewrites if r["rule"] == "remat"],
+                "swapped": [r["description"] for r in rewrites if r["rule"] == "swap"],
                 "steps": rewrites,
             },
             "search": {

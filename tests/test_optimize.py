@@ -178,6 +178,10 @@ def test_bad_options_and_impossible_limits_raise_clear_errors():
     plan = plan_for(model, x)
     with pytest.raises(ValueError, match="shape"):
         plan(torch.randn(8, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dtype"):
+        plan(x.float())
+    with pytest.raises(ValueError, match="inputs"):
+        plan(x, x)
 
 
 def test_a_model_on_fake_tensors_is_planned_but_not_run(tmp_path):

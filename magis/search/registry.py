@@ -7,13 +7,16 @@ Two kinds of rule (MAGIS §5):
 - **graph rules** rewrite the graph the F-Tree is laid over (identity rewrites,
   algebraic rewrites, re-materialization, swapping): ``Graph -> list[Rewrite]``,
   each a new graph and a one-line description (:class:`magis.rules.rewrite.Rewrite`,
-  or a plain ``(graph, description)`` pair).
+  a plain ``(graph, description)`` pair, or any value with those two attributes).
 
 The search takes whatever is registered, in registration order (which, with the
 order each rule lists its results in, fixes the order states are made: the search
 is deterministic). Adding a rule is one call::
 
     register_graph_rule("remat", magis.rules.remat.remat_rewrites)
+
+A plan's report lists the steps of the rules named ``remat`` and ``swap`` as its
+recomputed and swapped tensors.
 """
 
 from __future__ import annotations
@@ -40,8 +43,12 @@ class MRule:
     fn: TreeRule | GraphRule
 
     def rewrites(self, graph: Graph) -> list[Rewrite]:
-        """A graph rule's results as :class:`Rewrite` values."""
-        return [Rewrite(*found) for found in self.fn(graph)]  # type: ignore[arg-type]
+        """A graph rule's results as :class:`Rewrite` values (from pairs, or from any value
+        with ``graph`` and ``description`` attributes)."""
+        return [
+            Rewrite(*found) if isinstance(found, tuple) else Rewrite(found.graph, found.description)
+            for found in self.fn(graph)  # type: ignore[arg-type]
+        ]
 
 
 #: every registered rule, by name, in registration order
