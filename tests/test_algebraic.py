@@ -11,6 +11,8 @@ import torch
 from test_fission import assert_runs_like_eager, captured, in_float64
 from torch import nn
 
+from magis.analysis.ftree import update_ftree
+from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, Ref, map_refs
 from magis.models import WORKLOADS
@@ -20,7 +22,9 @@ from magis.rules.algebraic import (
     merge_rewrites,
     split_rewrites,
 )
+from magis.rules.ftree_mutation import apply_ftree
 from magis.search.graph_hash import wl_hash
+from magis.search.state import changed_nodes
 
 aten = torch.ops.aten
 
@@ -149,3 +153,25 @@ def test_wl_hash_tells_where_a_block_sits_in_a_long_chain():
     hashes = {odd: wl_hash(capture(Chain(odd), (x,))) for odd in (12, 20, 28)}
     assert len(set(hashes.values())) == 3
     assert wl_hash(capture(Chain(20), (x,))) == hashes[20]
+
+
+def test_ftree_is_reanalysed_only_where_a_rewrite_touched_it(bert):
+    graph, tree = bert.graph, bert.tree
+    rewrite = merge_rewrites(graph)[0]
+    touched = changed_nodes(graph, rewrite.graph)
+    i = next(i for i, c in enumerate(tree.candidates) if c.nodes.isdisjoint(touched) and c.length % 2 == 0)
+    enabled = tree.with_parts({i: 2})
+    order = tuple(n.name for n in rewrite.graph.nodes)
+    updated = update_ftree(enabled, rewrite.graph, simulate_memory(rewrite.graph, order), touched)
+    kept = [j for j, c in enumerate(updated.candidates) if c.axes == tree.candidates[i].axes]
+    assert len(kept) == 1 and updated.parts[kept[0]] == 2 and sum(updated.parts) == len(updated) + 1
+    for j, c in enumerate(updated.candidates):
+        assert c.nodes <= set(rewrite.graph.index)
+        if c.parent is not None:
+            assert c.nodes < updated.candidates[c.parent].nodes
+        for other in updated.candidates[:j]:
+            assert c.nodes.isdisjoint(other.nodes) or c.nodes < other.nodes or other.nodes < c.nodes
+    untouched = {c.axes for c in tree.candidates if c.nodes.isdisjoint(touched)}
+    assert untouched <= {c.axes for c in updated.candidates}
+    # the merged matmul is in a component Algorithm 1 ran on again: new candidates may hold new nodes
+    assert apply_ftree(rewrite.graph, updated, order).graph is not rewrite.graph

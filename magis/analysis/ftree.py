@@ -424,7 +424,8 @@ def update_ftree(
     The candidates the rewrite left alone keep their fission numbers; Algorithm 1 runs
     again only on the D-Graph components of ``graph`` that hold a touched node, with the
     hot-spots of ``profile`` (a schedule of ``graph``). New candidates that partly overlap
-    a kept one are dropped, enabled ones first kept, so the result stays laminar.
+    a kept one are dropped, so the result stays laminar and keeps every candidate the
+    rewrite left alone.
     """
     dgraph = dgraph if dgraph is not None else build_dgraph(graph)
     touched = set(touched)
@@ -440,16 +441,16 @@ def update_ftree(
         if dimension.length >= 2 and len(dimension.nodes) > 2 and not dimension.nodes.isdisjoint(touched):
             found = component_candidates(graph, dgraph, dimension, index, levels, 2)
             kept.extend(c for c in found if c.axes not in parts)
-    enabled = frozenset(axes for axes, n in parts.items() if n > 1)
-    result = _as_tree(kept, enabled)
+    result = _as_tree(kept, {axes: 0 if n > 1 else 1 for axes, n in parts.items()})
     return result.with_parts({i: parts.get(c.axes, 1) for i, c in enumerate(result.candidates)})
 
 
-def _as_tree(found: list[Candidate], first: frozenset[tuple] = frozenset()) -> FTree:
-    """Keep a laminar family (the candidates whose ``axes`` are in ``first``, then best
-    score first), then link each to its smallest superset."""
+def _as_tree(found: list[Candidate], rank: Mapping[tuple, int] | None = None) -> FTree:
+    """Keep a laminar family (by ``rank`` of their ``axes``: 0 and 1 first, unranked (2) last;
+    then best score first), then link each to its smallest superset."""
+    rank = rank or {}
     kept: list[Candidate] = []
-    for c in sorted(found, key=lambda c: (c.axes not in first, -c.score, -len(c.nodes))):
+    for c in sorted(found, key=lambda c: (rank.get(c.axes, 2), -c.score, -len(c.nodes))):
         if all(c.nodes.isdisjoint(k.nodes) or c.nodes < k.nodes or k.nodes < c.nodes for k in kept):
             kept.append(c)
     kept.sort(key=lambda c: -len(c.nodes))  # parents before children
