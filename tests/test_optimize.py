@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -242,3 +243,25 @@ def test_a_registered_graph_rule_takes_part_in_the_search():
             m_optimize(graph, objective, cost_model("h200"), rule_names=["no-such-rule"])
     finally:
         RULES.pop("test-probe")
+
+
+def test_better_than_and_the_relaxed_acceptance_per_mode():
+    def s(peak, latency):
+        return SimpleNamespace(peak_bytes=peak, latency_s=latency)
+
+    memory = Objective("memory", memory_bytes=100)
+    assert memory.better_than(s(100, 2.0), s(50, 3.0))  # both fit: lower latency wins
+    assert not memory.better_than(s(50, 3.0), s(100, 2.0))
+    assert memory.better_than(s(100, 9.0), s(101, 1.0))  # fitting beats not fitting
+    assert memory.better_than(s(150, 9.0), s(160, 1.0))  # neither fits: lower peak wins
+    best = s(90, 1.0)
+    assert memory.acceptable(s(99, 1.09), best) and not memory.acceptable(s(99, 1.11), best)
+    assert not memory.acceptable(s(101, 0.5), best)  # the best fits: so must a state worth keeping
+    assert memory.acceptable(s(160, 9.0), s(150, 1.0)) and not memory.acceptable(s(170, 1.0), s(150, 1.0))
+    latency = Objective("latency", latency_s=2.0)
+    assert latency.better_than(s(10, 2.0), s(20, 1.0)) and latency.better_than(s(99, 2.0), s(1, 2.1))
+    assert latency.acceptable(s(109, 1.0), s(100, 1.9)) and not latency.acceptable(s(111, 1.0), s(100, 1.9))
+    both = Objective("memory", memory_bytes=100, latency_s=1.5)
+    assert both.met_by(s(100, 1.5)) and not both.met_by(s(100, 1.6)) and not both.met_by(s(101, 1.0))
+    with pytest.raises(ValueError, match="memory limit"):
+        Objective("memory")

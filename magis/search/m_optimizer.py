@@ -36,7 +36,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 from weakref import WeakKeyDictionary
 
@@ -162,6 +162,8 @@ class _Mutation:
 
 
 class _Search:
+    """One run of Algorithm 3: the queue, the hashes seen, the best state and the statistics."""
+
     def __init__(
         self,
         objective: Objective,
@@ -214,8 +216,8 @@ class _Search:
         step = separable_step(graph, initial.order, self.levels)
         root = _Mutation(step.graph, step.order, step.tree, step.graph, step.order, Step("separable", "make separable"))
         separable = self._evaluate(initial, root, reschedule=False)
-        if separable is None:
-            return
+        if separable is None:  # nothing to rewrite: the captured step is separable as it is
+            separable = replace(initial, tree=step.tree)
         self._consider(separable, push=True)
         for i, candidate in enumerate(step.tree.candidates):
             if self._out_of_budget():
