@@ -130,7 +130,8 @@ def optimize(
     ``time_budget`` seconds or after ``max_states`` states (the bound that keeps it
     deterministic: same inputs, seed and limits give the same plan); it runs with
     torch's generator seeded with ``seed`` and leaves the caller's generator as it
-    was. A limit no plan meets raises :class:`~magis.plan.InfeasibleLimit`.
+    was; ``progress`` shows a bar with the best peak and latency so far and the states
+    explored. A limit no plan meets raises :class:`~magis.plan.InfeasibleLimit`.
     """
     if latency_limit is not None and (isinstance(latency_limit, bool) or not latency_limit >= 1.0):
         raise ValueError(f"latency_limit is a ratio to the captured step's latency, at least 1; got {latency_limit!r}")
