@@ -49,9 +49,11 @@ class MState:
         return self.memory.peak
 
     def regions(self) -> list[dict[str, Any]]:
-        """The enabled F-Tree nodes: the fissioned sub-graphs, with their dimension and ``n``."""
+        """The enabled F-Tree nodes: the fissioned sub-graphs, with their dimension and ``n``
+        (``nested_in``: the F-Tree node of the region this one runs inside, if any)."""
         return [
             {
+                "ftree_node": i,
                 "dimension": c.label,
                 "parts": self.tree.parts[i],
                 "nodes": len(c.nodes),
