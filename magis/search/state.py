@@ -58,7 +58,7 @@ class MState:
                 "parts": self.tree.parts[i],
                 "nodes": len(c.nodes),
                 "dominator": c.dominator,
-                "nested_in": c.parent if c.parent is not None and self.tree.enabled(c.parent) else None,
+                "nested_in": next((a for a in self.tree.ancestors(i) if self.tree.enabled(a)), None),
             }
             for i, c in enumerate(self.tree.candidates)
             if self.tree.enabled(i)
