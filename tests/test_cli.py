@@ -62,3 +62,33 @@ def test_bad_options_are_rejected_by_the_parser(argv, capsys):
 def test_run_on_paper_preset_is_refused(capsys):
     assert main(["profile", "bert-base", "--preset", "paper", "--run"]) == 2
     assert "fake" in capsys.readouterr().err
+
+
+def test_optimize_json_has_the_documented_keys(capsys, tmp_path):
+    plot = tmp_path / "timeline.png"
+    argv = ["optimize", "gpt-neo-1.3b", "--preset", "tiny", "--memory-limit", "0.8", "--device", "h200"]
+    report = run_json(capsys, *argv, "--max-states", "12", "--json", "--plot", str(plot))
+    for key in (
+        "model",
+        "preset",
+        "device",
+        "baseline_peak_bytes",
+        "baseline_latency_s",
+        "peak_bytes",
+        "latency_s",
+        "search_seconds",
+        "states",
+        "transformations",
+    ):
+        assert key in report, key
+    assert report["peak_bytes"] <= 0.8 * report["baseline_peak_bytes"] and report["states"] <= 12
+    assert report["transformations"]["fission"]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_optimize_rejects_two_limits_and_a_bad_size(capsys):
+    with pytest.raises(SystemExit):
+        main(["optimize", "unet", "--memory-limit", "0.5", "--latency-limit", "1.1"])
+    assert "not allowed with" in capsys.readouterr().err
+    assert main(["optimize", "unet", "--memory-limit", "5parsecs", "--json"]) == 2
+    assert "memory size" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from test_fission import assert_runs_like_eager, captured, in_float64
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
+from magis.bench import methods
 from magis.bench.methods import METHODS, Subject
 from magis.bench.protocol import measure_peak
 from magis.cost.memory import simulate_memory
@@ -79,3 +80,19 @@ def test_magis_fission_method_runs_with_eagers_gradients_and_its_simulated_peak(
         assert max_relative_error(reference.gradients, result.gradients) < 1e-4
     assert subject.single_fission(1.0).parts == 1
     assert subject.single_fission(0.01).peak_bytes == min(o.peak_bytes for o in subject.single_fissions)
+
+
+def test_magis_optimize_method_runs_with_eagers_gradients_and_its_simulated_peak(monkeypatch):
+    monkeypatch.setattr(methods, "OPTIMIZE_STATES", 12)  # the first level of the search: single fissions
+    subject = Subject("gpt-neo-1.3b", "tiny")
+    eager = METHODS["eager"].real(subject, None)
+    _, reference = measure_peak(eager.step, resident_tensors(eager.built.model, eager.built.example_inputs))
+    method = METHODS["magis-optimize"]
+    runnable = method.real(subject, 0.8)
+    peak, result = measure_peak(runnable.step, resident_tensors(subject.built.model, subject.inputs))
+    graph, order = method.simulate(subject, 0.8)
+    simulated = simulate_memory(graph, order).peak
+    captured = simulate_memory(subject.graph, [n.name for n in subject.graph.nodes]).peak
+    assert simulated <= 0.8 * captured
+    assert abs(simulated - peak) <= 0.02 * peak
+    assert max_relative_error(reference.gradients, result.gradients) < 1e-4

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -409,10 +409,48 @@ def next_divisor(length: int, n: int) -> int | None:
     return next((d for d in range(n + 1, length + 1) if length % d == 0), None)
 
 
-def _as_tree(found: list[Candidate]) -> FTree:
-    """Keep a laminar family (best score first), then link each to its smallest superset."""
+def update_ftree(
+    tree: FTree,
+    graph: Graph,
+    profile: MemoryProfile,
+    touched: Collection[str],
+    levels: int = DEFAULT_LEVELS,
+    dgraph: DGraph | None = None,
+) -> FTree:
+    """Re-analysis after a rewrite (MAGIS Alg. 3, ``Analyze``): ``tree`` was built for the
+    graph before it, ``graph`` is the graph after it and ``touched`` the nodes it added,
+    removed or changed.
+
+    The candidates the rewrite left alone keep their fission numbers; Algorithm 1 runs
+    again only on the D-Graph components of ``graph`` that hold a touched node, with the
+    hot-spots of ``profile`` (a schedule of ``graph``). New candidates that partly overlap
+    a kept one are dropped, so the result stays laminar and keeps every candidate the
+    rewrite left alone.
+    """
+    dgraph = dgraph if dgraph is not None else build_dgraph(graph)
+    touched = set(touched)
+    parts: dict[tuple, int] = {}
+    kept = []
+    for c, n in zip(tree.candidates, tree.parts):
+        if c.nodes.isdisjoint(touched) and all(name in graph for name in c.nodes):
+            dimension = dgraph.dimensions[dgraph.component[c.axes[0]]]
+            kept.append(replace(c, dimension=dimension.index, label=dimension.label, parent=None))
+            parts[c.axes] = n
+    index = HotSpotIndex.of(graph, profile.hotspots)
+    for dimension in dgraph.dimensions:
+        if dimension.length >= 2 and len(dimension.nodes) > 2 and not dimension.nodes.isdisjoint(touched):
+            found = component_candidates(graph, dgraph, dimension, index, levels, 2)
+            kept.extend(c for c in found if c.axes not in parts)
+    result = _as_tree(kept, {axes: 0 if n > 1 else 1 for axes, n in parts.items()})
+    return result.with_parts({i: parts.get(c.axes, 1) for i, c in enumerate(result.candidates)})
+
+
+def _as_tree(found: list[Candidate], rank: Mapping[tuple, int] | None = None) -> FTree:
+    """Keep a laminar family (by ``rank`` of their ``axes``: 0 and 1 first, unranked (2) last;
+    then best score first), then link each to its smallest superset."""
+    rank = rank or {}
     kept: list[Candidate] = []
-    for c in sorted(found, key=lambda c: (-c.score, -len(c.nodes))):
+    for c in sorted(found, key=lambda c: (rank.get(c.axes, 2), -c.score, -len(c.nodes))):
         if all(c.nodes.isdisjoint(k.nodes) or c.nodes < k.nodes or k.nodes < c.nodes for k in kept):
             kept.append(c)
     kept.sort(key=lambda c: -len(c.nodes))  # parents before children

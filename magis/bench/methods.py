@@ -31,6 +31,11 @@ magis:
 - ``magis-fission`` — the step made separable along its samples with one F-Tree node
   enabled (:func:`magis.search.single_fission.best_single_fission`): the fewest parts
   whose simulated peak is within ``budget`` times the scheduled peak (``magis-fission@0.5``).
+- ``magis-optimize`` — the M-Optimizer (MAGIS Alg. 3, :mod:`magis.search.m_optimizer`) in
+  memory-limit mode at ``budget`` times the captured step's simulated peak (eager's
+  step, as magis sees it): the lowest simulated latency within it, or the lowest peak
+  when nothing fits (``magis-optimize@0.5``). Its latencies are priced by the local
+  device's profiled cost model for tiny/small presets and by ``h200`` for paper.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from magis.backend.runtime import StepResult, lower, run_program
 from magis.bench.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
 from magis.bench.protocol import Step
 from magis.commands.common import build_workload
+from magis.cost.latency import cost_model
+from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.frontend.checkpointed import capture_checkpointed
 from magis.frontend.partitioned import (
@@ -59,13 +66,19 @@ from magis.frontend.partitioned import (
 )
 from magis.ir.graph import Graph
 from magis.models import Built
+from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, m_optimize
 from magis.search.single_fission import SingleFission, choose_within, single_fission_options
+from magis.search.state import MState
 
 #: what ``simulate`` returns: a graph and the order of its nodes the method runs
 Simulated = tuple[Graph, Sequence[str]]
 
 PEER = "peer"
 MAGIS = "magis"
+
+#: seconds and states the M-Optimizer searches per workload and budget in the yardstick (its defaults)
+OPTIMIZE_SECONDS = 60.0
+OPTIMIZE_STATES = DEFAULT_MAX_STATES
 
 
 class MethodUnavailable(RuntimeError):
@@ -87,6 +100,7 @@ class Subject:
     batch: int | None = None
     seed: int = 0
     built: Built = field(init=False)
+    _searches: dict[float, MState] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.built = self.rebuild()
@@ -112,6 +126,19 @@ class Subject:
     def single_fission(self, budget: float) -> SingleFission:
         """magis' best single fission within ``budget`` times the scheduled peak."""
         return choose_within(self.single_fissions, int(budget * self.single_fissions[0].peak_bytes))
+
+    def optimized(self, budget: float) -> MState:
+        """The M-Optimizer's best state within ``budget`` times the captured step's simulated
+        peak (memory-limit mode), searched once per budget."""
+        if budget not in self._searches:
+            device = "h200" if self.preset == "paper" else "cpu"
+            captured = [n.name for n in self.graph.nodes]
+            objective = Objective("memory", int(budget * simulate_memory(self.graph, captured).peak))
+            result = m_optimize(
+                self.graph, objective, cost_model(device), OPTIMIZE_SECONDS, OPTIMIZE_STATES, progress=False
+            )
+            self._searches[budget] = result.best
+        return self._searches[budget]
 
     @cached_property
     def scheduled_order(self) -> tuple[str, ...]:
@@ -292,6 +319,18 @@ def _fission_simulate(subject: Subject, budget: float | None) -> Simulated:
     return chosen.graph, chosen.order
 
 
+def _optimize_real(subject: Subject, budget: float | None) -> Runnable:
+    assert budget is not None
+    best = subject.optimized(budget)
+    return _runtime(subject, best.order, best.graph)
+
+
+def _optimize_simulate(subject: Subject, budget: float | None) -> Simulated:
+    assert budget is not None
+    best = subject.optimized(budget)
+    return best.graph, best.order
+
+
 register(Method("eager", "eager PyTorch: forward, loss, backward()", PEER, _eager_real, _eager_simulate))
 register(
     Method(
@@ -328,6 +367,16 @@ register(
         MAGIS,
         _fission_real,
         _fission_simulate,
+        budgeted=True,
+    )
+)
+register(
+    Method(
+        "magis-optimize",
+        "magis' M-Optimizer (MAGIS Alg. 3): lowest simulated latency within budget x the captured step's peak",
+        MAGIS,
+        _optimize_real,
+        _optimize_simulate,
         budgeted=True,
     )
 )

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_BUDGETS),
         metavar="B",
         help="memory budgets in (0, 1]: torch.compile's activation memory budget (compile@B) and "
-        f"magis-fission's fraction of the scheduled peak (default: {' '.join(map(str, DEFAULT_BUDGETS))})",
+        "magis-fission's fraction of the scheduled peak, magis-optimize's memory limit as a fraction of the "
+        f"captured step's peak (default: {' '.join(map(str, DEFAULT_BUDGETS))})",
     )
     parser.add_argument(
         "--simulate",

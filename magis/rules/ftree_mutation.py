@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
-from magis.analysis.dgraph import build_dgraph
+from magis.analysis.dgraph import DGraph, build_dgraph
 from magis.analysis.ftree import FTree, next_divisor
 from magis.ir.graph import Graph
 from magis.rules.fission import fission, fissioned_order
@@ -98,6 +99,18 @@ def mutations(tree: FTree) -> list[FTree]:
     return [result for rule in RULES for result in rule(tree)]
 
 
+#: D-Graphs of the graphs F-Tree states were applied to: a search applies many states to one graph.
+_DGRAPHS: WeakKeyDictionary[Graph, DGraph] = WeakKeyDictionary()
+
+
+def dgraph_of(graph: Graph) -> DGraph:
+    """``build_dgraph(graph)``, built once per graph object (graphs are immutable)."""
+    found = _DGRAPHS.get(graph)
+    if found is None:
+        found = _DGRAPHS[graph] = build_dgraph(graph)
+    return found
+
+
 @dataclass(frozen=True, eq=False)
 class Applied:
     """The graph an F-Tree state stands for, and a schedule of it."""
@@ -117,7 +130,7 @@ def apply_ftree(graph: Graph, tree: FTree, order: Sequence[str] | None = None) -
     order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
     for i in tree.outermost_enabled():
         f = tree.fission(i)
-        result = fission(graph, f, build_dgraph(graph))
+        result = fission(graph, f, dgraph_of(graph))
         order = fissioned_order(graph, order, result, f.nodes)
         graph = result
     return Applied(graph, order)

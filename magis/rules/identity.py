@@ -34,6 +34,7 @@ import torch
 
 from magis.ir.graph import Graph, Node, Ref
 from magis.rules.builder import NodeBuilder
+from magis.rules.rewrite import Rewrite
 
 aten = torch.ops.aten
 
@@ -91,6 +92,22 @@ def apply_concat_depthwise(graph: Graph, match: ConcatConv) -> Graph:
         start = stop
     joined = new.add("cat", aten.cat.default, (outputs, 1))
     return graph.replace(remove=[match.concat, match.conv], add=new.nodes, rename={match.conv: joined.name})
+
+
+def concat_conv_rewrites(graph: Graph) -> list[Rewrite]:
+    """Every channel-wise partitioning the graph offers (an M-Rule)."""
+    return [
+        Rewrite(apply_concat_conv(graph, m), f"partition {m.conv} over the {len(m.parts)} parts of {m.concat}")
+        for m in find_concat_conv(graph)
+    ]
+
+
+def concat_depthwise_rewrites(graph: Graph) -> list[Rewrite]:
+    """Every kernel-wise partitioning the graph offers (an M-Rule)."""
+    return [
+        Rewrite(apply_concat_depthwise(graph, m), f"partition {m.conv} kernel-wise over the parts of {m.concat}")
+        for m in find_concat_depthwise(graph)
+    ]
 
 
 def _concat_convs(graph: Graph) -> list[ConcatConv]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from magis.analysis.dgraph import DGraph, build_dgraph
 from magis.analysis.ftrans import FTrans, InvalidFission
-from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, build_ftree, next_divisor
+from magis.analysis.ftree import DEFAULT_LEVELS, Candidate, FTree, build_ftree, next_divisor
 from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
 from magis.rules.fission import fission, fissioned_order
@@ -78,13 +78,30 @@ def single_fission_options(graph: Graph, order: Sequence[str], levels: int = DEF
     """``graph`` in ``order`` unchanged, then every single fission of ``make_separable(graph)``
     its F-Tree offers (each candidate at each of its :func:`fission_numbers`)."""
     options = [SingleFission(graph, tuple(order), simulate_memory(graph, order).peak)]
+    step = separable_step(graph, order, levels)
+    for candidate in step.tree.candidates:
+        options.extend(single_fissions(step.graph, step.order, step.dgraph, candidate))
+    return options
+
+
+@dataclass(frozen=True, eq=False)
+class SeparableStep:
+    """``make_separable(graph)``, a schedule of it, its D-Graph and its F-Tree (all disabled)."""
+
+    graph: Graph
+    order: tuple[str, ...]
+    dgraph: DGraph
+    tree: FTree
+
+
+def separable_step(graph: Graph, order: Sequence[str], levels: int = DEFAULT_LEVELS) -> SeparableStep:
+    """The step made separable along its samples, ``order`` carried over to it, and the
+    F-Tree Algorithm 1 builds from the hot-spots of that order: where MAGIS' search starts."""
     separable = make_separable(graph)
-    separable_order = _carried(graph, order, separable)
+    separable_order = carried_order(graph, order, separable)
     dgraph = build_dgraph(separable)
     tree = build_ftree(separable, simulate_memory(separable, separable_order), levels, dgraph=dgraph)
-    for candidate in tree.candidates:
-        options.extend(single_fissions(separable, separable_order, dgraph, candidate))
-    return options
+    return SeparableStep(separable, separable_order, dgraph, tree)
 
 
 def choose_within(options: Sequence[SingleFission], limit_bytes: int) -> SingleFission:
@@ -96,7 +113,7 @@ def choose_within(options: Sequence[SingleFission], limit_bytes: int) -> SingleF
     return min(options, key=lambda o: (o.peak_bytes, o.parts))
 
 
-def _carried(graph: Graph, order: Sequence[str], rewritten: Graph) -> tuple[str, ...]:
+def carried_order(graph: Graph, order: Sequence[str], rewritten: Graph) -> tuple[str, ...]:
     """``order`` carried over to ``rewritten`` (nodes it kept keep their places; new ones go
     right before the first kept node that reads them, or where the node list puts them)."""
     kept = [name for name in order if name in rewritten]

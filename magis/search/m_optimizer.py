@@ -1,0 +1,344 @@
+"""The M-Optimizer: MAGIS Algorithm 3, the search that coordinates graph transformation and scheduling.
+
+Algorithm 3 (MAGIS §6.2), as implemented here:
+
+- lines 9-10: the captured step is scheduled (:func:`magis.schedule.schedule`) and
+  becomes the first M-State; the step made separable along its samples gets its
+  F-Tree (Algorithm 1) and, as the first level of the search, every state with one
+  F-Tree node enabled at its smallest fission number (the Mutate rule raises it
+  later, reaching what :mod:`magis.search.single_fission` enumerates), so a
+  feasible plan comes early however large the graph;
+- line 12: the queue pops the best state by ``BetterThan`` (:class:`Objective`);
+- lines 13-17: every registered M-Rule (:mod:`magis.search.registry`) makes new
+  states: an F-Tree rule changes fission numbers, a graph rule rewrites the graph
+  under the F-Tree, whose candidates are then re-analysed where the rewrite touched
+  them (``Analyze``: :func:`magis.analysis.ftree.update_ftree`);
+- lines 5-8, 12-14: a graph whose Weisfeiler-Lehman hash was seen is skipped
+  (:func:`magis.search.graph_hash.wl_hash`);
+- line 18: each new graph is scheduled incrementally (Alg. 2,
+  :func:`magis.schedule.incremental_schedule`) from its parent's schedule; the order
+  carried over from the parent (each region where its nodes ran) is kept instead
+  when its peak is lower (the first level keeps the carried order: a feasible plan
+  comes fast, and its children are rescheduled);
+- lines 19-21: the state is simulated and pushed when it is not worse than the best
+  relaxed by ``δ`` (:data:`DELTA`, 1.1): ``BetterThan(μ', δ·μ_best)``.
+
+The search is anytime: :attr:`SearchResult.best` is the best state at any moment;
+it stops when the queue is empty, after ``max_states`` states, or at the time budget.
+Ties in the queue go to the state made first, and states are made in rule
+registration order, so the same graph, limits and cost model give the same plan
+whenever the state limit (not the clock) ends the search.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+from weakref import WeakKeyDictionary
+
+from tqdm import tqdm
+
+from magis.analysis.ftrans import InvalidFission
+from magis.analysis.ftree import DEFAULT_LEVELS, FTree, next_divisor, update_ftree
+from magis.cost.latency import CostModel
+from magis.cost.memory import peak_memory, simulate_memory
+from magis.ir.graph import Graph
+from magis.rules.ftree_mutation import apply_ftree, consistent
+from magis.rules.rewrite import Rewrite
+from magis.schedule import incremental_schedule, schedule
+from magis.search.graph_hash import wl_hash
+from magis.search.registry import MRule, rules
+from magis.search.single_fission import separable_step
+from magis.search.state import EMPTY_TREE, MState, Step, changed_nodes, simulate_state
+
+#: relaxation of the acceptance test (MAGIS §6.2: "empirically set to 1.1")
+DELTA = 1.1
+#: states simulated before the search stops (bounds it where the clock would make it nondeterministic)
+DEFAULT_MAX_STATES = 2000
+#: seconds for the first, full schedule of the captured step (at most a quarter of the budget)
+SCHEDULE_S = 20.0
+#: seconds for one incremental schedule (Alg. 2); on a large graph its DP may stop at this
+#: limit, so there the schedule (and the plan) can depend on the machine's speed
+INCREMENTAL_S = 1.0
+
+Mode = Literal["memory", "latency"]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """``BetterThan`` of Algorithm 3 for one of its two modes.
+
+    ``memory`` mode: states within ``memory_bytes`` come first, by lower latency, then
+    the others by lower peak. ``latency`` mode is the dual: within ``latency_s``, lower
+    peak first. In memory mode a ``latency_s`` too is a second limit a plan must meet
+    (:meth:`met_by`), though the order is that of memory mode.
+    """
+
+    mode: Mode
+    memory_bytes: int | None = None
+    latency_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode == "memory" and self.memory_bytes is None:
+            raise ValueError("memory mode needs a memory limit")
+        if self.mode == "latency" and self.latency_s is None:
+            raise ValueError("latency mode needs a latency limit")
+
+    def rank(self, peak: float, latency: float) -> tuple[int, float, float]:
+        """The sort key of a state with this peak and latency (lower is better)."""
+        if self.mode == "memory":
+            assert self.memory_bytes is not None
+            return (0, latency, peak) if peak <= self.memory_bytes else (1, peak, latency)
+        assert self.latency_s is not None
+        return (0, peak, latency) if latency <= self.latency_s else (1, latency, peak)
+
+    def better_than(self, a: MState, b: MState) -> bool:
+        return self.rank(a.peak_bytes, a.latency_s) < self.rank(b.peak_bytes, b.latency_s)
+
+    def acceptable(self, state: MState, best: MState, delta: float = DELTA) -> bool:
+        """The relaxed test of Alg. 3: ``state`` is no worse than ``best`` with the figures
+        ``best`` is ranked by scaled by ``delta`` (whether ``best`` meets the limit stays as it is)."""
+        meets, first, second = self.rank(best.peak_bytes, best.latency_s)
+        return self.rank(state.peak_bytes, state.latency_s) <= (meets, first * delta, second * delta)
+
+    def met_by(self, state: MState) -> bool:
+        """Whether ``state`` meets every limit given."""
+        memory_ok = self.memory_bytes is None or state.peak_bytes <= self.memory_bytes
+        latency_ok = self.latency_s is None or state.latency_s <= self.latency_s
+        return memory_ok and latency_ok
+
+
+@dataclass
+class SearchStats:
+    """What the search did: states simulated, popped, skipped as seen, rewrites that did not apply."""
+
+    states: int = 0
+    expanded: int = 0
+    duplicates: int = 0
+    invalid: int = 0
+    seconds: float = 0.0
+    first_feasible_s: float | None = None  # when the best state first met the limits
+    stopped_by: str = ""  # "queue empty", "state limit" or "time budget"
+    rules: dict[str, int] = field(default_factory=dict)  # states made per rule
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best state found, the first state (the scheduled captured step) and statistics."""
+
+    best: MState
+    initial: MState
+    stats: SearchStats
+
+
+def m_optimize(
+    graph: Graph,
+    objective: Objective,
+    cost_model: CostModel,
+    time_budget: float = 60.0,
+    max_states: int = DEFAULT_MAX_STATES,
+    rule_names: Sequence[str] | None = None,
+    levels: int = DEFAULT_LEVELS,
+    progress: bool = True,
+) -> SearchResult:
+    """Algorithm 3 on the captured step ``graph`` (module docstring)."""
+    return _Search(objective, cost_model, rules(rule_names), levels, time_budget, max_states, progress).run(graph)
+
+
+@dataclass(frozen=True)
+class _Mutation:
+    """A state before it is scheduled and simulated: its graph, in the order carried over."""
+
+    base: Graph
+    base_order: tuple[str, ...]
+    tree: FTree
+    graph: Graph
+    carried: tuple[str, ...]
+    step: Step
+
+
+class _Search:
+    """One run of Algorithm 3: the queue, the hashes seen, the best state and the statistics."""
+
+    def __init__(
+        self,
+        objective: Objective,
+        cost_model: CostModel,
+        active: tuple[MRule, ...],
+        levels: int,
+        time_budget: float,
+        max_states: int,
+        progress: bool,
+    ) -> None:
+        if time_budget <= 0:
+            raise ValueError(f"the time budget must be positive, got {time_budget}")
+        if max_states < 1:
+            raise ValueError(f"max_states must be at least 1, got {max_states}")
+        self.objective, self.cost_model, self.active, self.levels = objective, cost_model, active, levels
+        self.time_budget, self.max_states, self.progress = time_budget, max_states, progress
+        self.stats = SearchStats()
+        self.seen: set[str] = set()
+        self.queue: list[tuple[tuple, int, MState]] = []
+        self.counter = itertools.count()
+        self._rewrites: WeakKeyDictionary[Graph, dict[str, list[Rewrite]]] = WeakKeyDictionary()
+
+    # ------------------------------------------------------------------ Algorithm 3
+    def run(self, graph: Graph) -> SearchResult:
+        self.start = time.perf_counter()
+        self.deadline = self.start + self.time_budget
+        self.bar = tqdm(total=self.max_states, desc="magis: search", unit="state", disable=not self.progress)
+        try:
+            initial = self._initial(graph)
+            self.best = initial
+            self._consider(initial, push=True)
+            self._first_level(graph, initial)
+            self._loop()
+        finally:
+            self.bar.close()
+        self.stats.seconds = time.perf_counter() - self.start
+        return SearchResult(self.best, initial, self.stats)
+
+    def _initial(self, graph: Graph) -> MState:
+        """The captured step in a memory-optimal order (Alg. 3, line 9)."""
+        order = schedule(graph, time_limit_s=min(SCHEDULE_S, self.time_budget / 4)).order
+        key = wl_hash(graph)
+        self.seen.add(key)
+        self.stats.states += 1
+        self.bar.update()
+        return simulate_state(graph, order, EMPTY_TREE, graph, order, key, self.cost_model)
+
+    def _first_level(self, graph: Graph, initial: MState) -> None:
+        """The separable step with its F-Tree, then each F-Tree node enabled alone at its smallest ``n``."""
+        step = separable_step(graph, initial.order, self.levels)
+        root = _Mutation(step.graph, step.order, step.tree, step.graph, step.order, Step("separable", "make separable"))
+        separable = self._evaluate(initial, root, reschedule=False)
+        if separable is None:  # nothing to rewrite: the captured step is separable as it is
+            separable = replace(initial, tree=step.tree)
+        self._consider(separable, push=True)
+        for i, candidate in enumerate(step.tree.candidates):
+            if self._out_of_budget():
+                return
+            tree = step.tree.with_parts({i: next_divisor(candidate.length, 1)})
+            mutation = self._applied(step.graph, step.order, tree, Step("enable", _describe(step.tree, tree)))
+            child = self._evaluate(separable, mutation, reschedule=False) if mutation is not None else None
+            if child is not None:
+                self._consider(child, push=True)
+
+    def _loop(self) -> None:
+        while self.queue:
+            if self._out_of_budget():
+                return
+            _, _, parent = heapq.heappop(self.queue)
+            self.stats.expanded += 1
+            for mutation in self._mutations(parent):
+                if self._out_of_budget():
+                    return
+                child = self._evaluate(parent, mutation)
+                if child is not None:
+                    self._consider(child, push=self.objective.acceptable(child, self.best))
+        self.stats.stopped_by = "queue empty"
+
+    def _out_of_budget(self) -> bool:
+        if self.stats.states >= self.max_states:
+            self.stats.stopped_by = "state limit"
+        elif time.perf_counter() > self.deadline:
+            self.stats.stopped_by = "time budget"
+        else:
+            return False
+        return True
+
+    def _consider(self, state: MState, push: bool) -> None:
+        """Keep ``state`` if it is the best so far; queue it if ``push``."""
+        if self.objective.better_than(state, self.best) or state is self.best:
+            self.best = state
+            if self.stats.first_feasible_s is None and self.objective.met_by(state):
+                self.stats.first_feasible_s = time.perf_counter() - self.start
+            self.bar.set_postfix_str(f"best peak {state.peak_bytes / 2**20:.2f} MiB, {state.latency_s * 1e3:.3f} ms")
+        if push:
+            rank = self.objective.rank(state.peak_bytes, state.latency_s)
+            heapq.heappush(self.queue, (rank, next(self.counter), state))
+
+    # ------------------------------------------------------------------ M-Rules
+    def _mutations(self, state: MState) -> Iterator[_Mutation]:
+        """Every mutation the registered rules make of ``state`` (Alg. 3, lines 15-17)."""
+        for rule in self.active:
+            if rule.kind == "ftree":
+                for tree in rule.fn(state.tree):  # type: ignore[arg-type]
+                    step = Step(rule.name, _describe(state.tree, tree))
+                    mutation = self._applied(state.base, state.base_order, tree, step)
+                    if mutation is not None:
+                        yield mutation
+                continue
+            for rewrite in self._rewrites_of(rule, state.base):
+                touched = changed_nodes(state.base, rewrite.graph)
+                base_order = tuple(
+                    incremental_schedule(state.base, state.base_order, rewrite.graph, touched, INCREMENTAL_S)
+                )
+                profile = simulate_memory(rewrite.graph, base_order)
+                tree = update_ftree(state.tree, rewrite.graph, profile, touched, self.levels)
+                if not consistent(tree):
+                    self.stats.invalid += 1
+                    continue
+                mutation = self._applied(rewrite.graph, base_order, tree, Step(rule.name, rewrite.description))
+                if mutation is not None:
+                    yield mutation
+
+    def _rewrites_of(self, rule: MRule, base: Graph) -> list[Rewrite]:
+        """A graph rule's rewrites of ``base``, found once per graph (F-Tree rules keep the base)."""
+        found = self._rewrites.setdefault(base, {})
+        if rule.name not in found:
+            found[rule.name] = rule.rewrites(base)
+        return found[rule.name]
+
+    def _applied(self, base: Graph, base_order: tuple[str, ...], tree: FTree, step: Step) -> _Mutation | None:
+        """``base`` fissioned as ``tree`` says, ``base_order`` carried over (None if it does not apply)."""
+        try:
+            applied = apply_ftree(base, tree, base_order)
+        except InvalidFission:
+            self.stats.invalid += 1
+            return None
+        return _Mutation(base, base_order, tree, applied.graph, applied.order, step)
+
+    def _evaluate(self, parent: MState, mutation: _Mutation, reschedule: bool = True) -> MState | None:
+        """Hash, schedule and simulate a mutation of ``parent``; None for a graph seen before.
+
+        Without ``reschedule`` the mutation keeps its carried-over order (the first level:
+        a region runs where its nodes ran, as :mod:`magis.search.single_fission` has it).
+        """
+        key = wl_hash(mutation.graph)
+        if key in self.seen:
+            self.stats.duplicates += 1
+            return None
+        self.seen.add(key)
+        order = mutation.carried
+        if reschedule:
+            touched = changed_nodes(parent.graph, mutation.graph)
+            rescheduled = incremental_schedule(parent.graph, parent.order, mutation.graph, touched, INCREMENTAL_S)
+            order = min((order, tuple(rescheduled)), key=lambda o: peak_memory(mutation.graph, o))
+        state = simulate_state(
+            mutation.base,
+            mutation.base_order,
+            mutation.tree,
+            mutation.graph,
+            order,
+            key,
+            self.cost_model,
+            (*parent.steps, mutation.step),
+        )
+        self.stats.states += 1
+        self.stats.rules[mutation.step.rule] = self.stats.rules.get(mutation.step.rule, 0) + 1
+        self.bar.update()
+        return state
+
+
+def _describe(old: FTree, new: FTree) -> str:
+    """The F-Tree nodes whose fission number changed, e.g. ``input.dim0 (41 nodes): n 1 -> 2``."""
+    return "; ".join(
+        f"{c.label} ({len(c.nodes)} nodes): n {a} -> {b}"
+        for c, a, b in zip(new.candidates, old.parts, new.parts)
+        if a != b
+    )

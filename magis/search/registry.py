@@ -1,0 +1,92 @@
+"""The M-Rules of MAGIS Algorithm 3: every mutation the search may apply to an M-State.
+
+Two kinds of rule (MAGIS §5):
+
+- **F-Tree rules** change the fission numbers of the state's F-Tree (Enable, Lift,
+  Disable, Mutate, :mod:`magis.rules.ftree_mutation`): ``FTree -> list[FTree]``;
+- **graph rules** rewrite the graph the F-Tree is laid over (identity rewrites,
+  algebraic rewrites, re-materialization, swapping): ``Graph -> list[Rewrite]``,
+  each a new graph and a one-line description (:class:`magis.rules.rewrite.Rewrite`,
+  a plain ``(graph, description)`` pair, or any value with those two attributes).
+
+The search takes whatever is registered, in registration order (which, with the
+order each rule lists its results in, fixes the order states are made: the search
+is deterministic). Adding a rule is one call::
+
+    register_graph_rule("remat", magis.rules.remat.remat_rewrites)
+
+A plan's report lists the steps of the rules named ``remat`` and ``swap`` as its
+recomputed and swapped tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from magis.analysis.ftree import FTree
+from magis.ir.graph import Graph
+from magis.rules import algebraic, ftree_mutation, identity
+from magis.rules.rewrite import Rewrite
+
+TreeRule = Callable[[FTree], list[FTree]]
+GraphRule = Callable[[Graph], Sequence[Rewrite | tuple[Graph, str]]]
+
+
+@dataclass(frozen=True)
+class MRule:
+    """A registered rule: its name (shown in plans' reports), kind and function."""
+
+    name: str
+    kind: Literal["ftree", "graph"]
+    fn: TreeRule | GraphRule
+
+    def rewrites(self, graph: Graph) -> list[Rewrite]:
+        """A graph rule's results as :class:`Rewrite` values (from pairs, or from any value
+        with ``graph`` and ``description`` attributes)."""
+        return [
+            Rewrite(*found) if isinstance(found, tuple) else Rewrite(found.graph, found.description)
+            for found in self.fn(graph)  # type: ignore[arg-type]
+        ]
+
+
+#: every registered rule, by name, in registration order
+RULES: dict[str, MRule] = {}
+
+
+def register_ftree_rule(name: str, fn: TreeRule) -> MRule:
+    """Register an F-Tree mutation ``FTree -> list[FTree]`` under ``name``."""
+    return _register(MRule(name, "ftree", fn))
+
+
+def register_graph_rule(name: str, fn: GraphRule) -> MRule:
+    """Register a graph rule ``Graph -> list[Rewrite | (graph, description)]`` under ``name``."""
+    return _register(MRule(name, "graph", fn))
+
+
+def _register(rule: MRule) -> MRule:
+    if rule.name in RULES:
+        raise ValueError(f"an M-Rule named {rule.name!r} is already registered")
+    RULES[rule.name] = rule
+    return rule
+
+
+def rules(names: Iterable[str] | None = None) -> tuple[MRule, ...]:
+    """The registered rules (or those named, in the order named); an unknown name is an error."""
+    if names is None:
+        return tuple(RULES.values())
+    unknown = [n for n in names if n not in RULES]
+    if unknown:
+        raise ValueError(f"unknown M-Rule(s) {unknown}: registered are {', '.join(RULES)}")
+    return tuple(RULES[n] for n in names)
+
+
+register_ftree_rule("enable", ftree_mutation.enable)
+register_ftree_rule("lift", ftree_mutation.lift)
+register_ftree_rule("disable", ftree_mutation.disable)
+register_ftree_rule("mutate", ftree_mutation.mutate)
+register_graph_rule("concat-conv", identity.concat_conv_rewrites)
+register_graph_rule("concat-depthwise", identity.concat_depthwise_rewrites)
+register_graph_rule("merge-matmuls", algebraic.merge_rewrites)
+register_graph_rule("split-matmuls", algebraic.split_rewrites)

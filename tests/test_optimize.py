@@ -1,0 +1,267 @@
+"""magis.optimize and the M-Optimizer (MAGIS Alg. 3): plans train like eager PyTorch, fit
+their limits for real, are deterministic, and bad options get clear errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ConvNet
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import magis
+from magis.api import parse_bytes
+from magis.backend.meter import LiveTensorMeter, resident_tensors
+from magis.cost.latency import cost_model, estimate_latency
+from magis.frontend.capture import capture
+from magis.ir.graph import Ref, Role
+from magis.rules.builder import NodeBuilder
+from magis.rules.rewrite import Rewrite
+from magis.search.graph_hash import wl_hash
+from magis.search.m_optimizer import Objective, m_optimize
+from magis.search.registry import RULES, register_graph_rule
+from magis.search.single_fission import best_single_fission
+
+STATES = 40  # enough for these small steps to reach their best fission
+
+
+class MLP(nn.Module):
+    """Activations larger than the weights: fission along the batch lowers the peak."""
+
+    def __init__(self, d: int = 64, h: int = 128) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, h)
+        self.b = nn.Linear(h, h)
+        self.c = nn.Linear(h, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.tanh(self.a(x))))).square().mean()
+
+
+def mlp(dtype: torch.dtype = torch.float64) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return MLP().to(dtype), torch.randn(256, 64, dtype=dtype)
+
+
+def plan_for(model: nn.Module, *inputs, loss_fn=None, **options) -> magis.Plan:
+    options = {"device": "h200", "max_states": STATES, "progress": False, **options}
+    return magis.optimize(model, inputs, loss_fn, **options)
+
+
+def train(step, model: nn.Module, batches, seed: int = 3) -> list[float]:
+    """Three SGD steps; ``step(model, batch)`` returns the loss and leaves gradients in ``.grad``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(seed)
+    losses = []
+    for batch in batches:
+        losses.append(float(step(model, batch)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def eager(loss_fn=None):
+    def step(model, batch):
+        out = model(*batch)
+        loss = out if loss_fn is None else loss_fn(out)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.allclose(x, y, rtol=1e-10, atol=1e-12), name
+
+
+@pytest.mark.parametrize("limits", [{"memory_limit": 0.6}, {}])
+def test_training_with_a_plan_equals_eager(limits):
+    model, x = mlp()
+    twin = copy.deepcopy(model)
+    plan = plan_for(model, x, **limits)
+    if limits:
+        assert plan.peak_bytes <= 0.6 * plan.baseline_peak_bytes and plan.report()["transformations"]["fission"]
+    batches = [(x + k,) for k in range(3)]
+    expected = train(eager(), twin, batches)
+    got = train(lambda _model, batch: plan(*batch), model, batches)
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert_same_state(model, twin)
+
+
+def test_batch_norm_and_dropout_train_like_eager():
+    torch.manual_seed(0)
+    model = ConvNet().double()
+    twin = copy.deepcopy(model)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    x = torch.randn(4, 3, 12, 12, dtype=torch.float64)
+    plan = plan_for(model, x, loss_fn=loss_fn)
+    batches = [(x * (k + 1),) for k in range(3)]
+    expected = train(eager(loss_fn), twin, batches)
+    got = train(lambda _model, batch: plan(*batch), model, batches)
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert_same_state(model, twin)  # parameters and the batch norm's running statistics
+    assert int(model.bn.num_batches_tracked) == 3
+
+
+def test_gradients_accumulate_like_backward():
+    model, x = mlp()
+    plan = plan_for(model, x)
+    loss = plan(x)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, once[n], rtol=1e-12)
+    assert torch.allclose(loss, model(x).detach())
+    plan(x)  # on top of eager's gradients: twice the gradient
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, 2 * once[n], rtol=1e-12)
+
+
+def test_memory_limit_is_met_for_real_and_simulated_within_two_percent():
+    model, x = mlp(torch.float32)
+    limit = int(0.6 * plan_for(model, x).baseline_peak_bytes)
+    plan = plan_for(model, x, memory_limit=limit)
+    assert plan.peak_bytes <= limit
+    constants = [n.target.value for n in plan.graph.nodes if n.role is Role.CONSTANT]
+    with LiveTensorMeter(resident_tensors(model, [x, *constants])) as meter:
+        plan(x)
+    assert meter.peak_bytes <= limit * 1.02
+    assert abs(meter.peak_bytes - plan.peak_bytes) <= 0.02 * plan.peak_bytes
+
+
+def test_latency_limit_mode_lowers_the_peak_within_the_latency():
+    model, x = mlp()
+    loose = plan_for(model, x, latency_limit=20.0)
+    assert loose.report()["mode"] == "latency"
+    assert loose.latency_s <= 20.0 * loose.baseline_latency_s
+    assert loose.peak_bytes < 0.7 * loose.baseline_peak_bytes
+    default = plan_for(model, x)  # neither limit: latency-limit mode at 1.10
+    assert default.objective.latency_s == pytest.approx(1.10 * default.baseline_latency_s)
+    assert default.latency_s <= 1.10 * default.baseline_latency_s
+    assert default.peak_bytes <= default.baseline_peak_bytes
+    assert loose.peak_bytes < default.peak_bytes
+
+
+def test_same_inputs_and_seed_give_the_same_plan():
+    model, x = mlp()
+    a = plan_for(model, x, memory_limit=0.6)
+    b = plan_for(model, x, memory_limit=0.6)
+    assert (a.peak_bytes, a.latency_s) == (b.peak_bytes, b.latency_s)
+    assert wl_hash(a.graph) == wl_hash(b.graph) and a.order == b.order
+    assert a.report()["transformations"] == b.report()["transformations"]
+
+
+def test_bad_options_and_impossible_limits_raise_clear_errors():
+    model, x = mlp()
+    for options, words in [
+        ({"memory_limit": -5}, "positive"),
+        ({"memory_limit": 1.5}, "fraction"),
+        ({"memory_limit": "5 parsecs"}, "memory size"),
+        ({"latency_limit": 0.5}, "at least 1"),
+        ({"time_budget": 0}, "time_budget"),
+        ({"device": "abacus"}, "unknown device"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            plan_for(model, x, **options)
+    with pytest.raises(magis.InfeasibleLimit, match="floor"):
+        plan_for(model, x, memory_limit="1KiB")
+    with pytest.raises(magis.InfeasibleLimit, match="latency limit"):
+        plan_for(model, x, memory_limit=0.6, latency_limit=1.0)
+    assert issubclass(magis.InfeasibleLimit, ValueError)
+    assert parse_bytes("6GiB") == 6 * 2**30 and parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1000") == 1000
+    plan = plan_for(model, x)
+    with pytest.raises(ValueError, match="shape"):
+        plan(torch.randn(8, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dtype"):
+        plan(x.float())
+    with pytest.raises(ValueError, match="inputs"):
+        plan(x, x)
+
+
+def test_a_model_on_fake_tensors_is_planned_but_not_run(tmp_path):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, x = MLP(), torch.randn(256, 64)
+    plan = magis.optimize(model, (x,), memory_limit=0.6, max_states=STATES, progress=False)
+    assert plan.device == "h200" and plan.peak_bytes <= 0.6 * plan.baseline_peak_bytes
+    with pytest.raises(RuntimeError, match="real weights"):
+        plan(x)
+
+
+def test_report_is_json_and_plot_is_a_png(tmp_path):
+    model, x = mlp()
+    plan = plan_for(model, x, memory_limit=0.6)
+    report = json.loads(json.dumps(plan.report()))
+    for key in ("peak_bytes", "latency_s", "baseline_peak_bytes", "baseline_latency_s", "device"):
+        assert report[key] == getattr(plan, key)
+    assert report["search"]["states"] <= STATES and report["search"]["stopped_by"]
+    assert report["transformations"]["fission"][0]["parts"] >= 2
+    path = plan.plot(tmp_path / "timeline.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_search_is_at_least_as_good_as_the_best_single_fission():
+    model, x = mlp()
+    graph = capture(model, (x,))
+    model_cost = cost_model("h200")
+    peak = plan_for(model, x).baseline_peak_bytes
+    for fraction in (0.7, 0.5, 0.1):  # 0.1: nothing fits, the lowest peak wins
+        limit = int(fraction * peak)
+        result = m_optimize(graph, Objective("memory", limit), model_cost, max_states=STATES, progress=False)
+        single = best_single_fission(graph, result.initial.order, limit)
+        single_latency = estimate_latency(single.graph, single.order, model_cost).total_s
+        best = result.best
+        if single.peak_bytes <= limit:
+            assert best.peak_bytes <= limit and best.latency_s <= single_latency
+        else:
+            assert best.peak_bytes <= single.peak_bytes
+
+
+def test_a_registered_graph_rule_takes_part_in_the_search():
+    def probe(graph):
+        """A copy of the input nobody reads: a different graph, computing the same."""
+        build = NodeBuilder(graph, graph.signature.user_inputs[0])
+        build.add("probe", torch.ops.aten.clone.default, (Ref(graph.signature.user_inputs[0]),))
+        return [Rewrite(graph.replace(add=build.nodes), "copy the input")]
+
+    register_graph_rule("test-probe", probe)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_graph_rule("test-probe", probe)
+        model, x = mlp()
+        graph = capture(model, (x,))
+        objective = Objective("latency", latency_s=1.0)
+        result = m_optimize(graph, objective, cost_model("h200"), max_states=STATES, rule_names=["test-probe"])
+        assert result.stats.rules["test-probe"] >= 1
+        with pytest.raises(ValueError, match="unknown M-Rule"):
+            m_optimize(graph, objective, cost_model("h200"), rule_names=["no-such-rule"])
+    finally:
+        RULES.pop("test-probe")
+
+
+def test_better_than_and_the_relaxed_acceptance_per_mode():
+    def s(peak, latency):
+        return SimpleNamespace(peak_bytes=peak, latency_s=latency)
+
+    memory = Objective("memory", memory_bytes=100)
+    assert memory.better_than(s(100, 2.0), s(50, 3.0))  # both fit: lower latency wins
+    assert not memory.better_than(s(50, 3.0), s(100, 2.0))
+    assert memory.better_than(s(100, 9.0), s(101, 1.0))  # fitting beats not fitting
+    assert memory.better_than(s(150, 9.0), s(160, 1.0))  # neither fits: lower peak wins
+    best = s(90, 1.0)
+    assert memory.acceptable(s(99, 1.09), best) and not memory.acceptable(s(99, 1.11), best)
+    assert not memory.acceptable(s(101, 0.5), best)  # the best fits: so must a state worth keeping
+    assert memory.acceptable(s(160, 9.0), s(150, 1.0)) and not memory.acceptable(s(170, 1.0), s(150, 1.0))
+    latency = Objective("latency", latency_s=2.0)
+    assert latency.better_than(s(10, 2.0), s(20, 1.0)) and latency.better_than(s(99, 2.0), s(1, 2.1))
+    assert latency.acceptable(s(109, 1.0), s(100, 1.9)) and not latency.acceptable(s(111, 1.0), s(100, 1.9))
+    both = Objective("memory", memory_bytes=100, latency_s=1.5)
+    assert both.met_by(s(100, 1.5)) and not both.met_by(s(100, 1.6)) and not both.met_by(s(101, 1.0))
+    with pytest.raises(ValueError, match="memory limit"):
+        Objective("memory")
