@@ -6,9 +6,11 @@ times on one stream. Operator times come from a :class:`CostModel`:
 
 - :class:`ProfiledCostModel` measures each distinct operator application once on
   this machine's CPU or GPU and caches the result on disk (:mod:`magis.cost.profiler`);
-- :class:`AnalyticCostModel` prices it with a roofline over a named device's
-  datasheet figures (:mod:`magis.cost.device_profiles`), to plan for a GPU one does
-  not have.
+- :class:`AnalyticCostModel` prices it from a named device's figures
+  (:mod:`magis.cost.device_profiles`) with the kernel model of
+  :mod:`magis.cost.kernel_model` (a roofline for large kernels; tiles and waves for
+  GEMM-like kernels, a bandwidth ramp and a minimum time for small ones), to plan
+  for a GPU one does not have.
 
 Graph inputs and ``getitem`` cost nothing. A node whose target knows its own cost
 (a fissioned region runs its parts one after another) provides
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -31,6 +34,7 @@ from torch.utils.flop_counter import flop_registry
 from tqdm import tqdm
 
 from magis.cost.device_profiles import DEVICE_PROFILES, DeviceProfile
+from magis.cost.kernel_model import Gemm, gemm_seconds, kernel_seconds, stream_seconds
 from magis.cost.profiler import (
     LatencyCache,
     NodeStrides,
@@ -130,6 +134,46 @@ def node_flops(graph: Graph, name: str) -> int:
         return 0
 
 
+def _gemm_of(shape: tuple[int, ...], layout: str, flops: float) -> Gemm:
+    """The GEMM that writes an output of ``shape`` with ``flops`` FLOPs of math.
+
+    ``layout`` says how the output maps onto the GEMM's ``m x n`` result:
+    ``"matrix"`` (``[..., m, n]``, leading dimensions batched: mm, bmm, attention),
+    ``"activation"`` (``[batch, n, *spatial]``: an implicit-GEMM convolution or its
+    input gradient, ``m`` = batch x spatial positions, ``n`` = channels), or
+    ``"weight"`` (``[m, *rest]``: a convolution's weight gradient, ``m`` = output
+    channels, ``n`` = input channels / groups x kernel positions). ``k`` follows from
+    the FLOPs, so it is whatever the flop formula counts (``C_in / groups x kernel``
+    for a convolution, twice the key length for attention).
+    """
+    if layout == "matrix":
+        batch, m, n = math.prod(shape[:-2]), shape[-2], shape[-1]
+    elif layout == "activation":
+        batch, m, n = 1, shape[0] * math.prod(shape[2:]), shape[1]
+    else:
+        batch, m, n = 1, shape[0], math.prod(shape[1:])
+    size = batch * m * n
+    return Gemm(batch, m, n, flops / (2 * size) if size else 0.0)
+
+
+def node_gemms(graph: Graph, name: str) -> tuple[Gemm, ...]:
+    """The GEMM-like kernels of a matmul, convolution or attention node; ``()`` for any other.
+
+    A convolution's backward runs one implicit GEMM per gradient it computes (input
+    and weight, as many FLOPs each as the forward; its bias gradient is a reduction);
+    every other node runs one GEMM shaped by its first output.
+    """
+    flops = node_flops(graph, name)
+    if not flops:
+        return ()
+    node = graph[name]
+    if "convolution_backward" in node.op_name:
+        grads = [(meta, layout) for meta, layout in zip(node.outputs[:2], ("activation", "weight")) if meta is not None]
+        return tuple(_gemm_of(meta.shape, layout, flops / len(grads)) for meta, layout in grads)
+    layout = "activation" if "convolution" in node.op_name else "matrix"
+    return (_gemm_of(node.outputs[0].shape, layout, flops),)
+
+
 def node_bytes(graph: Graph, name: str) -> int:
     """Bytes a node moves through device memory: what it reads plus the storages it writes.
 
@@ -159,10 +203,13 @@ def _compute_dtype(graph: Graph, node: Node) -> torch.dtype:
 # -------------------------------------------------------------- the models
 @dataclass(frozen=True)
 class AnalyticCostModel:
-    """Roofline cost of each operator on a named device (MAGIS §5 cost model).
+    """Cost of each operator on a named device (MAGIS §5 cost model).
 
-    ``time = max(flops / achievable FLOP/s, bytes / achievable bandwidth) + launch overhead``;
-    inputs, ``getitem`` and views cost nothing. ``tf32_matmul`` and ``tf32_conv``
+    The math of its GEMM-like kernels (:func:`node_gemms`, in tiles and waves on a
+    GPU) against the bytes it moves, composed with the launch cost as
+    :func:`magis.cost.kernel_model.kernel_seconds` says; for large kernels this is the
+    roofline ``max(flops / achievable FLOP/s, bytes / achievable bandwidth)``. Inputs,
+    ``getitem`` and views cost nothing. ``tf32_matmul`` and ``tf32_conv``
     say whether fp32 matmuls and convolutions use TF32 tensor cores; the defaults are
     PyTorch's (``torch.backends.cuda.matmul.allow_tf32=False``, ``torch.backends.cudnn.allow_tf32=True``).
     """
@@ -179,13 +226,14 @@ class AnalyticCostModel:
         if is_free(node) or is_view(node):
             return 0.0
         profile = self.profile
-        memory_s = node_bytes(graph, name) / profile.bytes_per_second
-        flops = node_flops(graph, name)
+        memory_s = stream_seconds(profile, node_bytes(graph, name))
         compute_s = 0.0
-        if flops:
+        gemms = node_gemms(graph, name)
+        if gemms:
             tf32 = self.tf32_conv if "conv" in node.op_name else self.tf32_matmul
-            compute_s = flops / profile.flops_per_second(_compute_dtype(graph, node), tf32)
-        return max(compute_s, memory_s) + profile.launch_overhead_s
+            rate = profile.flops_per_second(_compute_dtype(graph, node), tf32)
+            compute_s = sum(gemm_seconds(profile, gemm, rate) for gemm in gemms)
+        return kernel_seconds(profile, compute_s, memory_s)
 
 
 class ProfiledCostModel:

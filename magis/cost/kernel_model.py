@@ -1,0 +1,108 @@
+"""How long one kernel runs on a device described by a :class:`DeviceProfile` (MAGIS §5 cost model).
+
+A roofline, ``max(flops / peak, bytes / bandwidth)``, is right for large kernels and
+optimistic for small ones, which fission multiplies. On a GPU (``sm_count > 0``):
+
+- a GEMM-like kernel (matmul, convolution as an implicit GEMM, fused attention) is
+  cut into output tiles, one thread block each, and the tiles run in waves of one
+  tile per SM; every tile does a whole tile's math and every wave takes a whole
+  wave's time, however few of its tiles are useful (tile and wave quantization,
+  NVIDIA's Matrix Multiplication Background User's Guide, §3.1-3.2). The tile is the
+  one among :data:`~magis.cost.device_profiles.CUBLAS_TILES` that gives the shortest
+  time, as cuBLAS' heuristics try to; with many full waves of the largest tile the
+  time is the roofline's;
+- a kernel streaming ``b`` bytes takes one memory latency plus ``b / bandwidth``, so
+  small tensors never reach full bandwidth, and no kernel is shorter than the
+  profile's minimum kernel time;
+- launching is asynchronous: the host's launch cost overlaps the previous kernel, so
+  a kernel costs the longer of the two.
+
+A device with ``sm_count == 0`` (the local CPU's crude roofline) keeps the plain
+roofline plus its launch cost.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from magis.cost.device_profiles import DeviceProfile
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A GEMM-like kernel: ``batch`` independent ``m x n`` outputs, each element a sum of ``k`` products."""
+
+    batch: int
+    m: int
+    n: int
+    k: float
+
+    @property
+    def flops(self) -> float:
+        """Multiply-adds count two FLOPs, as :mod:`torch.utils.flop_counter` counts them."""
+        return 2 * self.batch * self.m * self.n * self.k
+
+
+@dataclass(frozen=True)
+class TiledGemm:
+    """A GEMM run with one tile size: how many tiles and waves, and how long."""
+
+    rows: int
+    cols: int
+    tiles: int
+    waves: int
+    seconds: float
+
+
+def tiled_gemm(profile: DeviceProfile, gemm: Gemm, flops_per_second: float, tile: tuple[int, int, float]) -> TiledGemm:
+    """``gemm`` in output tiles of ``tile = (rows, cols, relative throughput)`` on a GPU.
+
+    Each SM computes one tile per wave at ``relative`` times its share of
+    ``flops_per_second`` (the device's achievable rate for the largest tile); a wave
+    lasts one tile's time, and the kernel lasts ``waves`` of them.
+    """
+    rows, cols, relative = tile
+    tiles = gemm.batch * math.ceil(gemm.m / rows) * math.ceil(gemm.n / cols)
+    waves = math.ceil(tiles / profile.sm_count)
+    tile_seconds = 2 * rows * cols * gemm.k / (relative * flops_per_second / profile.sm_count)
+    return TiledGemm(rows, cols, tiles, waves, waves * tile_seconds)
+
+
+def best_tiling(profile: DeviceProfile, gemm: Gemm, flops_per_second: float) -> TiledGemm:
+    """The tiling of ``gemm`` with the shortest modelled time (ties: the earlier, larger tile)."""
+    return min(
+        (tiled_gemm(profile, gemm, flops_per_second, tile) for tile in profile.gemm_tiles), key=lambda t: t.seconds
+    )
+
+
+def gemm_seconds(profile: DeviceProfile, gemm: Gemm, flops_per_second: float) -> float:
+    """Math time of ``gemm``: tiles and waves on a GPU, ``flops / rate`` elsewhere."""
+    if gemm.batch * gemm.m * gemm.n == 0:
+        return 0.0
+    if not profile.sm_count:
+        return gemm.flops / flops_per_second
+    return best_tiling(profile, gemm, flops_per_second).seconds
+
+
+def stream_seconds(profile: DeviceProfile, nbytes: int) -> float:
+    """Time to move ``nbytes`` through device memory: one memory latency, then the bandwidth.
+
+    The achieved bandwidth ``nbytes / time`` ramps up with the size and is half the
+    achievable bandwidth at ``bandwidth x latency`` bytes (Little's law).
+    """
+    return profile.memory_latency_s + nbytes / profile.bytes_per_second
+
+
+def kernel_seconds(profile: DeviceProfile, compute_s: float, memory_s: float) -> float:
+    """One operator's time from its math and memory times.
+
+    The device is busy for the longer of the two, and at least the minimum kernel
+    time; a GPU launches asynchronously (the host's launch cost hides behind the
+    previous kernel, so the operator costs the longer of launch and execution), any
+    other device pays its launch cost on top.
+    """
+    device_s = max(profile.min_kernel_s, compute_s, memory_s)
+    if profile.sm_count:
+        return max(profile.launch_overhead_s, device_s)
+    return device_s + profile.launch_overhead_s
