@@ -43,6 +43,7 @@ from magis.cost.profiler import (
     is_view,
     measurable,
     measure_device_profile,
+    measure_instruction_overhead,
     measure_nodes,
     op_key,
     replay_strides,
@@ -244,7 +245,12 @@ class ProfiledCostModel:
     dtypes and strides and timed (median of ``repeats`` samples after a warm-up); the
     times go to a JSON cache on disk (``cache_path``, by default under
     ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run measures nothing.
-    Views are timed too: on this device they cost their dispatch overhead. An
+    Views are timed too: on this device they cost their dispatch overhead. On CPU,
+    every node the runtime runs as an instruction (all but the graph's inputs,
+    ``getitem`` included) also costs the runtime's own work around the call
+    (:attr:`instruction_overhead_s`, measured once and kept in the same cache), so a
+    simulated step is the sum of its operators plus ``instructions x overhead``. On
+    CUDA that host work runs while earlier kernels execute, and is not added. An
     operator that cannot be run (an abstract target, or one that fails) is priced by
     an :class:`AnalyticCostModel` over a crude roofline of this device, itself
     measured once and cached.
@@ -286,13 +292,29 @@ class ProfiledCostModel:
             self._fallback = AnalyticCostModel(profile)
         return self._fallback
 
+    @property
+    def instruction_overhead_s(self) -> float:
+        """The runtime's cost per instruction beyond the operator's call: measured on
+        CPU once (:func:`magis.cost.profiler.measure_instruction_overhead`) and cached; 0 on CUDA."""
+        if self.device.type != "cpu":
+            return 0.0
+        if self.cache.instruction_overhead_s is None:
+            self.cache.instruction_overhead_s = measure_instruction_overhead(self.device)
+            self.cache.save()
+        return self.cache.instruction_overhead_s
+
     def _price(self, graph: Graph) -> dict[str, float]:
         strides = replay_strides(graph)
         keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
         self._measure(graph, keys, strides)
-        return {node.name: self._seconds(graph, node, keys.get(node.name)) for node in graph.nodes}
+        overhead = self.instruction_overhead_s
+        return {
+            node.name: 0.0 if node.is_input else self._seconds(graph, node, keys.get(node.name)) + overhead
+            for node in graph.nodes
+        }
 
     def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
+        """The node's own work, without the runtime's cost per instruction."""
         if is_free(node):
             return 0.0
         delegated = _delegated_seconds(node, self)

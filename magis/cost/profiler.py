@@ -4,10 +4,13 @@ The simulator sums per-operator costs. On the local device magis measures each
 distinct operator application — op overload, input shapes, dtypes and strides,
 constant arguments, output shapes — by running it on random inputs of the recorded
 shapes, and caches the fastest time in a JSON file, so a later run (or another
-process on the same machine) measures nothing. This module holds that machinery:
-op keys, input materialisation, timing, the disk cache and a crude roofline of the
-local device for operators that cannot be measured. :class:`magis.cost.latency.ProfiledCostModel`
-puts it together.
+process on the same machine) measures nothing. The time is the operator's call
+alone; what the runtime spends around each call (mapping its arguments, storing
+its result, freeing dead values) is measured once per machine as a cost per
+instruction (:func:`measure_instruction_overhead`) and kept in the same cache. This
+module holds that machinery: op keys, input materialisation, timing, the disk cache
+and a crude roofline of the local device for operators that cannot be measured.
+:class:`magis.cost.latency.ProfiledCostModel` puts it together.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from typing import Any
 
 import torch
 
+from magis.backend.runtime import execute, lower
 from magis.cost.device_profiles import PRECISION_OF_DTYPE, DeviceProfile
-from magis.ir.graph import Graph, Node, Ref, TensorMeta, map_refs
+from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta, map_refs
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: operator times exclude the runtime's per-instruction cost
 CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
 #: on CUDA, each timing sample is a burst of calls lasting about this long.
 CUDA_SAMPLE_S = 1e-3
@@ -39,6 +43,10 @@ CUDA_SAMPLE_S = 1e-3
 #: inputs take at most this many bytes.
 WINDOW_OPS = 32
 WINDOW_BYTES = 512 * 2**20
+#: instructions of the program that measures the runtime's cost per instruction, and
+#: how many times it runs (the fastest run counts).
+OVERHEAD_PROGRAM_OPS = 64
+OVERHEAD_ROUNDS = 30
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +71,8 @@ def default_cache_path(device: torch.device) -> Path:
 
 
 class LatencyCache:
-    """Seconds per op key (``None``: the op could not run) and the device's crude roofline.
+    """Seconds per op key (``None``: the op could not run), the device's crude roofline
+    and the runtime's cost per instruction (``None`` until measured).
 
     Saving merges with what other processes wrote meanwhile and replaces the file
     atomically, so concurrent runs never corrupt it.
@@ -71,23 +80,31 @@ class LatencyCache:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.ops, self.device_profile = self._read()
+        self.ops, self.device_profile, self.instruction_overhead_s = self._read()
 
-    def _read(self) -> tuple[dict[str, float | None], dict[str, Any] | None]:
+    def _read(self) -> tuple[dict[str, float | None], dict[str, Any] | None, float | None]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return {}, None
+            return {}, None, None
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
-            return {}, None
-        return dict(data.get("ops", {})), data.get("device_profile")
+            return {}, None, None
+        return dict(data.get("ops", {})), data.get("device_profile"), data.get("instruction_overhead_s")
 
     def save(self) -> None:
-        ops, profile = self._read()
+        ops, profile, overhead = self._read()
         ops.update(self.ops)
         self.ops = ops
         self.device_profile = self.device_profile or profile
-        data = {"format": CACHE_FORMAT, "torch": torch.__version__, "device_profile": self.device_profile, "ops": ops}
+        if self.instruction_overhead_s is None:
+            self.instruction_overhead_s = overhead
+        data = {
+            "format": CACHE_FORMAT,
+            "torch": torch.__version__,
+            "device_profile": self.device_profile,
+            "instruction_overhead_s": self.instruction_overhead_s,
+            "ops": ops,
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
             json.dump(data, tmp, indent=0, sort_keys=True)
@@ -257,9 +274,8 @@ def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> floa
 def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], device: torch.device) -> Callable:
     """Node ``name`` on random inputs of its recorded shapes on ``device``, called once (warm-up).
 
-    The call resolves its :class:`Ref` arguments as the runtime's interpreter does
-    (:func:`magis.ir.graph.map_refs` over the arguments), so the time includes that
-    per-instruction cost.
+    The arguments are bound once, so the call times the operator alone; the runtime's
+    own cost around it is :func:`measure_instruction_overhead`'s.
     """
     node = graph[name]
     inputs: dict[str, Any] = {}
@@ -270,14 +286,8 @@ def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], 
             for meta, stride in zip(source.outputs, strides[ref])
         ]
         inputs[ref] = tuple(elements) if source.tuple_output else elements[0]
-    args, kwargs = bind_arguments(node, Ref, device)  # constants bound now, references at each call
-
-    def value(ref: Ref) -> Any:
-        return inputs[ref.name]
-
-    def call() -> Any:
-        return node.target(*map_refs(args, value), **map_refs(kwargs, value))
-
+    args, kwargs = bind_arguments(node, inputs.__getitem__, device)
+    call = functools.partial(node.target, *args, **kwargs)
     call()
     _synchronizer(device)()
     return call
@@ -321,6 +331,40 @@ def measure_nodes(
             del calls
             for name in window:
                 yield name, times.get(name)
+
+
+def measure_instruction_overhead(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -> float:
+    """Seconds the magis runtime spends on each instruction beyond its operator's call.
+
+    :func:`magis.backend.runtime.execute` maps an instruction's arguments from its
+    environment, calls the operator, stores the result and frees the values that
+    died; the profile times the call alone (:func:`time_calls`). This runs a program
+    of :data:`OVERHEAD_PROGRAM_OPS` ``neg`` instructions on one element, each
+    result freed by the next instruction, through the runtime, and times the same
+    call as the profiler does; the difference per instruction (never below zero),
+    from the fastest of ``rounds`` runs of each, is the overhead. Cheap (a few
+    milliseconds) and robust: a busy moment only slows some runs, and the fastest counts.
+    """
+    one = TensorMeta((1,), torch.float32, 4)
+    nodes = [Node("x", None, outputs=(one,), aliases=(None,), role=Role.INPUT)]
+    for i in range(OVERHEAD_PROGRAM_OPS):
+        previous = Ref(nodes[-1].name)
+        nodes.append(Node(f"neg{i}", torch.ops.aten.neg.default, (previous,), outputs=(one,), aliases=(None,)))
+    program = lower(Graph(tuple(nodes), outputs=(nodes[-1].name,)))
+    x = torch.ones(1, device=device)
+    sync = _synchronizer(device)
+    with torch.no_grad():
+        call = functools.partial(torch.ops.aten.neg.default, x)
+        op_s = time_call(call, device, rounds)
+        execute(program, {"x": x})
+        runs = []
+        for _ in range(rounds):
+            sync()
+            start = time.perf_counter()
+            execute(program, {"x": x})
+            sync()
+            runs.append(time.perf_counter() - start)
+    return max(0.0, min(runs) / OVERHEAD_PROGRAM_OPS - op_s)
 
 
 def measure_device_profile(device: torch.device, repeats: int = 5) -> DeviceProfile:
