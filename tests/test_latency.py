@@ -12,6 +12,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from magis.cost.device_profiles import DEVICE_PROFILES
+from magis.cost.kernel_model import Gemm, best_tiling
 from magis.cost.latency import (
     AnalyticCostModel,
     LatencyProfile,
@@ -22,7 +23,6 @@ from magis.cost.latency import (
     node_flops,
     node_gemms,
 )
-from magis.cost.kernel_model import Gemm, best_tiling
 from magis.cost.profiler import default_cache_path, random_tensor, replay_strides
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
