@@ -23,7 +23,7 @@ from magis.cost.latency import (
     node_flops,
     node_gemms,
 )
-from magis.cost.profiler import default_cache_path, random_tensor, replay_strides
+from magis.cost.profiler import default_cache_path, measurable, op_key, random_tensor, replay_strides
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
 
@@ -82,6 +82,51 @@ def test_flops_of_captured_conv_and_linear_match_hand_counts(conv_linear: Graph)
         "aten.addmm.default": [linear],
         "aten.mm.default": [linear, linear],  # gradients of the linear's input and weight
     }
+
+
+def test_convolutions_are_implicit_gemms(conv_linear: Graph) -> None:
+    """Forward: M = N x H_out x W_out, N = C_out, K = C_in x kh x kw / groups; the weight
+    gradient: M = C_out, N = C_in x kh x kw / groups, K = N x H_out x W_out (the input
+    needs no gradient here, so the backward runs only that GEMM)."""
+    gemms = {n.op_name: node_gemms(conv_linear, n.name) for n in conv_linear.nodes if "conv" in n.op_name}
+    assert gemms == {
+        "aten.convolution.default": (Gemm(1, 2 * 8 * 8, 4, 3 * 3 * 3),),
+        "aten.convolution_backward.default": (Gemm(1, 4, 3 * 3 * 3, 2 * 8 * 8),),
+    }
+
+
+def test_a_strided_convolution_backward_runs_a_gemm_per_gradient() -> None:
+    """Input gradient: M = N x H_in x W_in, N = C_in, K from the FLOPs (each gradient
+    counts as many as the forward); weight gradient as above."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 6, 3, padding=1, stride=2))
+    graph = capture(model, (torch.randn(2, 3, 8, 8),), lambda out: out.sum())
+    forward = 2 * (2 * 4 * 4) * 6 * (4 * 3 * 3)
+    backward = next(
+        n for n in graph.nodes if n.op_name == "aten.convolution_backward.default" and n.outputs[0] is not None
+    )
+    assert node_gemms(graph, backward.name) == (
+        Gemm(1, 2 * 8 * 8, 4, forward / (2 * 2 * 8 * 8 * 4)),
+        Gemm(1, 6, 4 * 3 * 3, 2 * 4 * 4),
+    )
+
+
+def test_fused_attention_is_a_batched_gemm_over_heads() -> None:
+    """Flash attention: one tile row per block of queries of one (batch, head), as wide
+    as the head; K = 2 x keys (Q K^T, then P V)."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            q = q * self.scale
+            return nn.functional.scaled_dot_product_attention(q, q * 2, q * 3)
+
+    graph = capture(Attention(), (torch.randn(2, 4, 16, 8),), lambda out: out.sum())
+    forward = next(n for n in graph.nodes if "attention" in n.op_name and "backward" not in n.op_name)
+    assert node_gemms(graph, forward.name) == (Gemm(2 * 4, 16, 8, 2 * 16),)
 
 
 def test_bytes_count_reads_and_writes_and_views_move_nothing(conv_linear: Graph) -> None:
@@ -197,6 +242,36 @@ def test_profiler_measures_each_operator_once_and_caches_on_disk(conv_linear: Gr
     again = ProfiledCostModel(cache_path=path, repeats=2)
     assert estimate_latency(conv_linear, order, again) == timeline
     assert again.measurements == 0
+
+
+def test_the_runtime_overhead_is_measured_cached_and_added(
+    conv_linear: Graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """simulated total = sum of the operators' profiled times + instructions x overhead,
+    where every non-input node is one instruction of the runtime (getitem and views too)."""
+    path = tmp_path / "latency.json"
+    order = order_of(conv_linear)
+    model = ProfiledCostModel(cache_path=path, repeats=2)
+    total = estimate_latency(conv_linear, order, model).total_s
+    overhead = json.loads(path.read_text())["instruction_overhead_s"]
+    assert 0 < overhead < 1e-4  # the runtime does more than the bare call, and not much more
+    assert model.instruction_overhead_s == overhead
+    strides = replay_strides(conv_linear)
+    ops = sum(model.cache.ops[op_key(conv_linear, n.name, strides)] or 0.0 for n in conv_linear.nodes if measurable(n))
+    instructions = sum(1 for n in conv_linear.nodes if not n.is_input)
+    assert total == pytest.approx(ops + instructions * overhead)
+
+    data = json.loads(path.read_text())
+    data["instruction_overhead_s"] = 1e-3
+    path.write_text(json.dumps(data))
+
+    def never(*args: object) -> float:
+        raise AssertionError("the cached overhead must be used")
+
+    monkeypatch.setattr("magis.cost.latency.measure_instruction_overhead", never)
+    cached = ProfiledCostModel(cache_path=path, repeats=2)
+    assert estimate_latency(conv_linear, order, cached).total_s == pytest.approx(ops + instructions * 1e-3)
+    assert cached.measurements == 0
 
 
 def test_identical_operators_are_measured_once(tmp_path: Path) -> None:
