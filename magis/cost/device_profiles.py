@@ -41,6 +41,10 @@ Sources:
   pays a whole extra row or column of tiles; §3.2 (wave quantization): the tiles run
   in waves of one tile per SM (A100: 108 tiles of 256x128), and a partial last wave
   takes as long as a full one.
+- Split-K: when an output has too few tiles to fill the SMs (a weight gradient: a
+  small output summed over a long batch), cuBLAS and CUTLASS also cut the sum over
+  ``k`` among several thread blocks and reduce their partial results (CUTLASS,
+  "Efficient GEMM in CUDA", *Parallelized Reductions: Split K*).
 
 Memory sizes are the marketed GB read as GiB, which is what the devices report
 (an "80 GB" H100 shows 79.1 GiB to ``torch.cuda.get_device_properties``). Host links
@@ -107,6 +111,13 @@ CUBLAS_TILES: tuple[tuple[int, int, float], ...] = (
     (64, 64, 0.6),
 )
 
+#: the ways a GEMM's sum over ``k`` may be cut among thread blocks (split-K, see the
+#: sources above); the partial sums, in fp32, are written and read once more. Which
+#: counts a library offers is a modelling assumption.
+SPLIT_K: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+#: bytes of one partial sum of a split-K GEMM (fp32 accumulators).
+PARTIAL_SUM_BYTES = 4
+
 #: streaming multiprocessors (see the sources above): the size of a wave of tiles.
 SM_COUNT = {"h200": 132, "h100": 132, "a100": 108, "rtx3090": 82}
 
@@ -145,6 +156,7 @@ class DeviceProfile:
     host_link_efficiency: float = HOST_LINK_EFFICIENCY
     sm_count: int = 0  # streaming multiprocessors; 0: not a GPU
     gemm_tiles: tuple[tuple[int, int, float], ...] = field(default=CUBLAS_TILES, hash=False)
+    split_k: tuple[int, ...] = field(default=SPLIT_K, hash=False)
     min_kernel_s: float = 0.0  # shortest time a kernel occupies the device
     memory_latency_s: float = 0.0  # one device-memory load: the bandwidth ramp
 

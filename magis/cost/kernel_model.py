@@ -7,10 +7,13 @@ optimistic for small ones, which fission multiplies. On a GPU (``sm_count > 0``)
   cut into output tiles, one thread block each, and the tiles run in waves of one
   tile per SM; every tile does a whole tile's math and every wave takes a whole
   wave's time, however few of its tiles are useful (tile and wave quantization,
-  NVIDIA's Matrix Multiplication Background User's Guide, §3.1-3.2). The tile is the
-  one among :data:`~magis.cost.device_profiles.CUBLAS_TILES` that gives the shortest
-  time, as cuBLAS' heuristics try to; with many full waves of the largest tile the
-  time is the roofline's;
+  NVIDIA's Matrix Multiplication Background User's Guide, §3.1-3.2). An output with
+  few tiles may also cut its sum over ``k`` among several thread blocks (split-K)
+  and pay for reducing their partial sums. The tile and split are those among the
+  profile's (:data:`~magis.cost.device_profiles.CUBLAS_TILES`,
+  :data:`~magis.cost.device_profiles.SPLIT_K`) that give the shortest time, as
+  cuBLAS' heuristics try to; with many full waves of the largest tile the time is
+  the roofline's;
 - a kernel streaming ``b`` bytes takes one memory latency plus ``b / bandwidth``, so
   small tensors never reach full bandwidth, and no kernel is shorter than the
   profile's minimum kernel time;
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from magis.cost.device_profiles import DeviceProfile
+from magis.cost.device_profiles import PARTIAL_SUM_BYTES, DeviceProfile
 
 
 @dataclass(frozen=True)
@@ -46,33 +49,46 @@ class Gemm:
 
 @dataclass(frozen=True)
 class TiledGemm:
-    """A GEMM run with one tile size: how many tiles and waves, and how long."""
+    """A GEMM run with one tile size and split-K: how many tiles and waves, and how long."""
 
     rows: int
     cols: int
+    split: int
     tiles: int
     waves: int
     seconds: float
 
 
-def tiled_gemm(profile: DeviceProfile, gemm: Gemm, flops_per_second: float, tile: tuple[int, int, float]) -> TiledGemm:
-    """``gemm`` in output tiles of ``tile = (rows, cols, relative throughput)`` on a GPU.
+def tiled_gemm(
+    profile: DeviceProfile, gemm: Gemm, flops_per_second: float, tile: tuple[int, int, float], split: int = 1
+) -> TiledGemm:
+    """``gemm`` in output tiles of ``tile = (rows, cols, relative throughput)``, its sum
+    over ``k`` cut in ``split`` parts, on a GPU.
 
-    Each SM computes one tile per wave at ``relative`` times its share of
-    ``flops_per_second`` (the device's achievable rate for the largest tile); a wave
-    lasts one tile's time, and the kernel lasts ``waves`` of them.
+    Each SM computes one tile (of one part of the sum) per wave at ``relative`` times
+    its share of ``flops_per_second`` (the device's achievable rate for the largest
+    tile); a wave lasts one tile's time, and the kernel lasts ``waves`` of them. A
+    split writes its partial sums and reads them back to reduce them.
     """
     rows, cols, relative = tile
-    tiles = gemm.batch * math.ceil(gemm.m / rows) * math.ceil(gemm.n / cols)
+    tiles = gemm.batch * math.ceil(gemm.m / rows) * math.ceil(gemm.n / cols) * split
     waves = math.ceil(tiles / profile.sm_count)
-    tile_seconds = 2 * rows * cols * gemm.k / (relative * flops_per_second / profile.sm_count)
-    return TiledGemm(rows, cols, tiles, waves, waves * tile_seconds)
+    tile_seconds = 2 * rows * cols * (gemm.k / split) / (relative * flops_per_second / profile.sm_count)
+    reduce_seconds = 0.0
+    if split > 1:
+        reduce_seconds = 2 * split * gemm.batch * gemm.m * gemm.n * PARTIAL_SUM_BYTES / profile.bytes_per_second
+    return TiledGemm(rows, cols, split, tiles, waves, waves * tile_seconds + reduce_seconds)
 
 
 def best_tiling(profile: DeviceProfile, gemm: Gemm, flops_per_second: float) -> TiledGemm:
-    """The tiling of ``gemm`` with the shortest modelled time (ties: the earlier, larger tile)."""
+    """The tiling and split of ``gemm`` with the shortest modelled time (ties: the earlier, larger tile, less split)."""
     return min(
-        (tiled_gemm(profile, gemm, flops_per_second, tile) for tile in profile.gemm_tiles), key=lambda t: t.seconds
+        (
+            tiled_gemm(profile, gemm, flops_per_second, tile, split)
+            for tile in profile.gemm_tiles
+            for split in profile.split_k
+        ),
+        key=lambda t: t.seconds,
     )
 
 
