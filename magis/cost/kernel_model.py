@@ -26,6 +26,7 @@ roofline plus its launch cost.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -92,8 +93,12 @@ def best_tiling(profile: DeviceProfile, gemm: Gemm, flops_per_second: float) -> 
     )
 
 
+@functools.lru_cache(maxsize=2**16)
 def gemm_seconds(profile: DeviceProfile, gemm: Gemm, flops_per_second: float) -> float:
-    """Math time of ``gemm``: tiles and waves on a GPU, ``flops / rate`` elsewhere."""
+    """Math time of ``gemm``: tiles and waves on a GPU, ``flops / rate`` elsewhere.
+
+    Remembered: a search prices the same few GEMM shapes (one per layer kind) over and over.
+    """
     if gemm.batch * gemm.m * gemm.n == 0:
         return 0.0
     if not profile.sm_count:
