@@ -3,7 +3,7 @@
 For every workload of ``magis.models.WORKLOADS`` at each preset of ``--presets``
 (``tiny`` and ``small`` by default): capture the step, estimate its latency with the
 profiled cost model of this machine (``magis.cost.latency.ProfiledCostModel``: the
-operators' times plus the runtime's cost per instruction), run the captured graph in
+operators' times plus the runtime's own costs), run the captured graph in
 the same order through the magis runtime and time it (median of ``--runs`` steps
 after warm-up), and report the relative error (simulated - measured) / measured. The
 step is timed in wall-clock and in process CPU time: on a machine shared with other
@@ -25,6 +25,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,7 @@ def main() -> None:
             rows, failures = measure_all(names, preset, model, args.runs)
             if rows:
                 reports[preset] = preset_report(rows, failures)
-        overhead = model.instruction_overhead_s
+        runtime_costs = asdict(model.runtime_costs)
     if not reports:
         raise SystemExit("no workload could be measured")
     write_json(
@@ -206,7 +207,7 @@ def main() -> None:
             "runs": args.runs,
             "cache": str(args.cache) if args.cache else "fresh",
             "freed_memory_kept": freed_memory_kept,
-            "instruction_overhead_s": overhead,
+            "runtime_costs_s": runtime_costs,
             "presets": reports,
         },
     )

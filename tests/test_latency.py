@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -244,34 +245,38 @@ def test_profiler_measures_each_operator_once_and_caches_on_disk(conv_linear: Gr
     assert again.measurements == 0
 
 
-def test_the_runtime_overhead_is_measured_cached_and_added(
+def test_the_runtime_costs_are_measured_cached_and_added(
     conv_linear: Graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """simulated total = sum of the operators' profiled times + instructions x overhead,
-    where every non-input node is one instruction of the runtime (getitem and views too)."""
+    """simulated total = the operators' profiled times + getitems x getitem_s
+    + instructions x instruction_s, every non-input node being one instruction."""
     path = tmp_path / "latency.json"
     order = order_of(conv_linear)
     model = ProfiledCostModel(cache_path=path, repeats=2)
     total = estimate_latency(conv_linear, order, model).total_s
-    overhead = json.loads(path.read_text())["instruction_overhead_s"]
-    assert 0 < overhead < 1e-4  # the runtime does more than the bare call, and not much more
-    assert model.instruction_overhead_s == overhead
+    cached = json.loads(path.read_text())["runtime_costs"]
+    assert 0 <= cached["instruction_s"] < 1e-4  # beyond mapping and calling, the runtime does little
+    assert 0 < cached["getitem_s"] < 1e-4
+    assert asdict(model.runtime_costs) == cached
     strides = replay_strides(conv_linear)
     ops = sum(model.cache.ops[op_key(conv_linear, n.name, strides)] or 0.0 for n in conv_linear.nodes if measurable(n))
+    getitems = sum(1 for n in conv_linear.nodes if n.op_name == "getitem")
     instructions = sum(1 for n in conv_linear.nodes if not n.is_input)
-    assert total == pytest.approx(ops + instructions * overhead)
+    assert getitems > 0
+    assert total == pytest.approx(ops + getitems * cached["getitem_s"] + instructions * cached["instruction_s"])
 
     data = json.loads(path.read_text())
-    data["instruction_overhead_s"] = 1e-3
+    data["runtime_costs"] = {"instruction_s": 1e-3, "getitem_s": 1e-2}
     path.write_text(json.dumps(data))
 
     def never(*args: object) -> float:
-        raise AssertionError("the cached overhead must be used")
+        raise AssertionError("the cached costs must be used")
 
-    monkeypatch.setattr("magis.cost.latency.measure_instruction_overhead", never)
-    cached = ProfiledCostModel(cache_path=path, repeats=2)
-    assert estimate_latency(conv_linear, order, cached).total_s == pytest.approx(ops + instructions * 1e-3)
-    assert cached.measurements == 0
+    monkeypatch.setattr("magis.cost.latency.measure_runtime_costs", never)
+    again = ProfiledCostModel(cache_path=path, repeats=2)
+    expected = ops + getitems * 1e-2 + instructions * 1e-3
+    assert estimate_latency(conv_linear, order, again).total_s == pytest.approx(expected)
+    assert again.measurements == 0
 
 
 def test_identical_operators_are_measured_once(tmp_path: Path) -> None:
@@ -353,7 +358,7 @@ def test_abstract_and_failing_operators_fall_back_to_the_analytic_estimate(tmp_p
     profiled = ProfiledCostModel(cache_path=path, repeats=2)
     timeline = estimate_latency(graph, order, profiled)
     assert all(math.isfinite(s) and s > 0 for s in timeline.per_node_s[2:])
-    assert timeline.per_node_s[-1] == 0.25 + profiled.instruction_overhead_s  # the region is one instruction
+    assert timeline.per_node_s[-1] == 0.25 + profiled.runtime_costs.instruction_s  # the region is one instruction
     assert region.asked[-1] is profiled
     assert profiled.measurements == 1  # the aten op was tried once and failed
     cached = json.loads(path.read_text())

@@ -12,7 +12,9 @@ times on one stream. Operator times come from a :class:`CostModel`:
   GEMM-like kernels, a bandwidth ramp and a minimum time for small ones), to plan
   for a GPU one does not have.
 
-Graph inputs and ``getitem`` cost nothing. A node whose target knows its own cost
+Graph inputs cost nothing; so do ``getitem`` in the analytic model, while the profiled
+model charges it the runtime's work (its argument mapping and call, measured once).
+A node whose target knows its own cost
 (a fissioned region runs its parts one after another) provides
 ``estimate_seconds(cost_model)`` and is asked for it.
 """
@@ -38,13 +40,14 @@ from magis.cost.kernel_model import Gemm, gemm_seconds, kernel_seconds, stream_s
 from magis.cost.profiler import (
     LatencyCache,
     NodeStrides,
+    RuntimeCosts,
     bind_arguments,
     default_cache_path,
     is_view,
     measurable,
     measure_device_profile,
-    measure_instruction_overhead,
     measure_nodes,
+    measure_runtime_costs,
     op_key,
     replay_strides,
 )
@@ -246,11 +249,12 @@ class ProfiledCostModel:
     times go to a JSON cache on disk (``cache_path``, by default under
     ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run measures nothing.
     Views are timed too: on this device they cost their dispatch overhead. On CPU,
-    every node the runtime runs as an instruction (all but the graph's inputs,
-    ``getitem`` included) also costs the runtime's own work around the call
-    (:attr:`instruction_overhead_s`, measured once and kept in the same cache), so a
-    simulated step is the sum of its operators plus ``instructions x overhead``. On
-    CUDA that host work runs while earlier kernels execute, and is not added. An
+    every node the runtime runs as an instruction (all but the graph's inputs) also
+    costs the runtime's own work around the call, and a ``getitem`` the mapping and
+    picking of its element (:attr:`runtime_costs`, measured once and kept in the same
+    cache): a simulated step is the sum of its operators and ``getitem`` s plus
+    ``instructions x instruction_s``. On CUDA that host work runs while earlier
+    kernels execute, and is not added. An
     operator that cannot be run (an abstract target, or one that fails) is priced by
     an :class:`AnalyticCostModel` over a crude roofline of this device, itself
     measured once and cached.
@@ -293,30 +297,33 @@ class ProfiledCostModel:
         return self._fallback
 
     @property
-    def instruction_overhead_s(self) -> float:
-        """The runtime's cost per instruction beyond the operator's call: measured on
-        CPU once (:func:`magis.cost.profiler.measure_instruction_overhead`) and cached; 0 on CUDA."""
+    def runtime_costs(self) -> RuntimeCosts:
+        """The runtime's own costs: measured on CPU once
+        (:func:`magis.cost.profiler.measure_runtime_costs`) and cached; none on CUDA."""
         if self.device.type != "cpu":
-            return 0.0
-        if self.cache.instruction_overhead_s is None:
-            self.cache.instruction_overhead_s = measure_instruction_overhead(self.device)
+            return RuntimeCosts(instruction_s=0.0, getitem_s=0.0)
+        if self.cache.runtime_costs is None:
+            self.cache.runtime_costs = asdict(measure_runtime_costs(self.device))
             self.cache.save()
-        return self.cache.instruction_overhead_s
+        return RuntimeCosts(**self.cache.runtime_costs)
 
     def _price(self, graph: Graph) -> dict[str, float]:
         strides = replay_strides(graph)
         keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
         self._measure(graph, keys, strides)
-        overhead = self.instruction_overhead_s
-        return {
-            node.name: 0.0 if node.is_input else self._seconds(graph, node, keys.get(node.name)) + overhead
-            for node in graph.nodes
-        }
+        runtime = self.runtime_costs
+        seconds = {}
+        for node in graph.nodes:
+            if node.is_input:
+                seconds[node.name] = 0.0
+            elif node.target is operator.getitem:
+                seconds[node.name] = runtime.getitem_s + runtime.instruction_s
+            else:
+                seconds[node.name] = self._seconds(graph, node, keys.get(node.name)) + runtime.instruction_s
+        return seconds
 
     def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
-        """The node's own work, without the runtime's cost per instruction."""
-        if is_free(node):
-            return 0.0
+        """An operator's (or a region's) own work, without the runtime's cost per instruction."""
         delegated = _delegated_seconds(node, self)
         if delegated is not None:
             return delegated

@@ -4,12 +4,13 @@ The simulator sums per-operator costs. On the local device magis measures each
 distinct operator application — op overload, input shapes, dtypes and strides,
 constant arguments, output shapes — by running it on random inputs of the recorded
 shapes, and caches the fastest time in a JSON file, so a later run (or another
-process on the same machine) measures nothing. The time is the operator's call
-alone; what the runtime spends around each call (mapping its arguments, storing
-its result, freeing dead values) is measured once per machine as a cost per
-instruction (:func:`measure_instruction_overhead`) and kept in the same cache. This
-module holds that machinery: op keys, input materialisation, timing, the disk cache
-and a crude roofline of the local device for operators that cannot be measured.
+process on the same machine) measures nothing. The time covers what the runtime
+does per operator (map its arguments from the environment, call it); what the
+runtime spends around that (its loop, storing the result, freeing dead values) and
+on ``getitem`` instructions is measured once per machine
+(:func:`measure_runtime_costs`) and kept in the same cache. This module holds that
+machinery: op keys, input materialisation, timing, the disk cache and a crude
+roofline of the local device for operators that cannot be measured.
 :class:`magis.cost.latency.ProfiledCostModel` puts it together.
 """
 
@@ -26,6 +27,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from magis.backend.runtime import execute, lower
 from magis.cost.device_profiles import PRECISION_OF_DTYPE, DeviceProfile
 from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta, map_refs
 
-CACHE_FORMAT = 2  # 2: operator times exclude the runtime's per-instruction cost
+CACHE_FORMAT = 1
 CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
 #: on CUDA, each timing sample is a burst of calls lasting about this long.
 CUDA_SAMPLE_S = 1e-3
@@ -43,8 +45,8 @@ CUDA_SAMPLE_S = 1e-3
 #: inputs take at most this many bytes.
 WINDOW_OPS = 32
 WINDOW_BYTES = 512 * 2**20
-#: instructions of the program that measures the runtime's cost per instruction, and
-#: how many times it runs (the fastest run counts).
+#: instructions of the program that measures the runtime's own costs, and how many
+#: times it runs (the fastest run counts).
 OVERHEAD_PROGRAM_OPS = 64
 OVERHEAD_ROUNDS = 30
 
@@ -72,7 +74,7 @@ def default_cache_path(device: torch.device) -> Path:
 
 class LatencyCache:
     """Seconds per op key (``None``: the op could not run), the device's crude roofline
-    and the runtime's cost per instruction (``None`` until measured).
+    and the runtime's own costs (:class:`RuntimeCosts` as a dict, ``None`` until measured).
 
     Saving merges with what other processes wrote meanwhile and replaces the file
     atomically, so concurrent runs never corrupt it.
@@ -80,29 +82,28 @@ class LatencyCache:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.ops, self.device_profile, self.instruction_overhead_s = self._read()
+        self.ops, self.device_profile, self.runtime_costs = self._read()
 
-    def _read(self) -> tuple[dict[str, float | None], dict[str, Any] | None, float | None]:
+    def _read(self) -> tuple[dict[str, float | None], dict[str, Any] | None, dict[str, float] | None]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}, None, None
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
             return {}, None, None
-        return dict(data.get("ops", {})), data.get("device_profile"), data.get("instruction_overhead_s")
+        return dict(data.get("ops", {})), data.get("device_profile"), data.get("runtime_costs")
 
     def save(self) -> None:
-        ops, profile, overhead = self._read()
+        ops, profile, runtime = self._read()
         ops.update(self.ops)
         self.ops = ops
         self.device_profile = self.device_profile or profile
-        if self.instruction_overhead_s is None:
-            self.instruction_overhead_s = overhead
+        self.runtime_costs = self.runtime_costs or runtime
         data = {
             "format": CACHE_FORMAT,
             "torch": torch.__version__,
             "device_profile": self.device_profile,
-            "instruction_overhead_s": self.instruction_overhead_s,
+            "runtime_costs": self.runtime_costs,
             "ops": ops,
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -274,8 +275,9 @@ def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> floa
 def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], device: torch.device) -> Callable:
     """Node ``name`` on random inputs of its recorded shapes on ``device``, called once (warm-up).
 
-    The arguments are bound once, so the call times the operator alone; the runtime's
-    own cost around it is :func:`measure_instruction_overhead`'s.
+    The call resolves its :class:`Ref` arguments as the runtime's interpreter does
+    (:func:`magis.ir.graph.map_refs` over the arguments), so the time includes that
+    per-instruction cost, whose price depends on the operator's arguments.
     """
     node = graph[name]
     inputs: dict[str, Any] = {}
@@ -286,8 +288,14 @@ def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], 
             for meta, stride in zip(source.outputs, strides[ref])
         ]
         inputs[ref] = tuple(elements) if source.tuple_output else elements[0]
-    args, kwargs = bind_arguments(node, inputs.__getitem__, device)
-    call = functools.partial(node.target, *args, **kwargs)
+    args, kwargs = bind_arguments(node, Ref, device)  # constants bound now, references at each call
+
+    def value(ref: Ref) -> Any:
+        return inputs[ref.name]
+
+    def call() -> Any:
+        return node.target(*map_refs(args, value), **map_refs(kwargs, value))
+
     call()
     _synchronizer(device)()
     return call
@@ -333,38 +341,66 @@ def measure_nodes(
                 yield name, times.get(name)
 
 
-def measure_instruction_overhead(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -> float:
-    """Seconds the magis runtime spends on each instruction beyond its operator's call.
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """What the magis runtime (:func:`magis.backend.runtime.execute`) spends beyond the
+    operators' profiled times: ``instruction_s`` per instruction (its loop, storing the
+    result, freeing the values that died), ``getitem_s`` per ``getitem`` instruction
+    (mapping its argument and picking the element, which no profile times)."""
 
-    :func:`magis.backend.runtime.execute` maps an instruction's arguments from its
-    environment, calls the operator, stores the result and frees the values that
-    died; the profile times the call alone (:func:`time_calls`). This runs a program
-    of :data:`OVERHEAD_PROGRAM_OPS` ``neg`` instructions on one element, each
-    result freed by the next instruction, through the runtime, and times the same
-    call as the profiler does; the difference per instruction (never below zero),
-    from the fastest of ``rounds`` runs of each, is the overhead. Cheap (a few
-    milliseconds) and robust: a busy moment only slows some runs, and the fastest counts.
+    instruction_s: float
+    getitem_s: float
+
+
+def _block_seconds(fn: Callable[[], Any], device: torch.device, rounds: int) -> float:
+    """Fastest of ``rounds`` timed runs of ``fn`` (after one warm-up run)."""
+    sync = _synchronizer(device)
+    fn()
+    runs = []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        runs.append(time.perf_counter() - start)
+    return min(runs)
+
+
+def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -> RuntimeCosts:
+    """The runtime's own costs on ``device``, measured in a few milliseconds.
+
+    A program of :data:`OVERHEAD_PROGRAM_OPS` ``neg`` instructions on one element, each
+    result freed by the next, runs through the runtime; the same calls, arguments
+    mapped as the profiler maps them, run in a plain loop; the difference per
+    instruction (never below zero) is ``instruction_s``. A plain loop of ``getitem``
+    calls with mapped arguments gives ``getitem_s``. Each is the fastest of ``rounds``
+    runs: a busy moment only slows some runs down.
     """
+    n = OVERHEAD_PROGRAM_OPS
     one = TensorMeta((1,), torch.float32, 4)
     nodes = [Node("x", None, outputs=(one,), aliases=(None,), role=Role.INPUT)]
-    for i in range(OVERHEAD_PROGRAM_OPS):
+    for i in range(n):
         previous = Ref(nodes[-1].name)
         nodes.append(Node(f"neg{i}", torch.ops.aten.neg.default, (previous,), outputs=(one,), aliases=(None,)))
     program = lower(Graph(tuple(nodes), outputs=(nodes[-1].name,)))
-    x = torch.ones(1, device=device)
-    sync = _synchronizer(device)
+    env: dict[str, Any] = {"x": torch.ones(1, device=device), "pair": (None, None)}
+
+    def value(ref: Ref) -> Any:
+        return env[ref.name]
+
+    def calls() -> None:
+        for _ in range(n):
+            torch.ops.aten.neg.default(*map_refs((Ref("x"),), value))
+
+    def getitems() -> None:
+        for _ in range(n):
+            operator.getitem(*map_refs((Ref("pair"), 1), value))
+
     with torch.no_grad():
-        call = functools.partial(torch.ops.aten.neg.default, x)
-        op_s = time_call(call, device, rounds)
-        execute(program, {"x": x})
-        runs = []
-        for _ in range(rounds):
-            sync()
-            start = time.perf_counter()
-            execute(program, {"x": x})
-            sync()
-            runs.append(time.perf_counter() - start)
-    return max(0.0, min(runs) / OVERHEAD_PROGRAM_OPS - op_s)
+        runtime_s = _block_seconds(lambda: execute(program, {"x": env["x"]}), device, rounds)
+        calls_s = _block_seconds(calls, device, rounds)
+        getitem_s = _block_seconds(getitems, device, rounds)
+    return RuntimeCosts(instruction_s=max(0.0, (runtime_s - calls_s) / n), getitem_s=getitem_s / n)
 
 
 def measure_device_profile(device: torch.device, repeats: int = 5) -> DeviceProfile:
