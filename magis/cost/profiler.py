@@ -385,16 +385,18 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
     program = lower(Graph(tuple(nodes), outputs=(nodes[-1].name,)))
     env: dict[str, Any] = {"x": torch.ones(1, device=device), "pair": (None, None)}
 
+    neg_args, getitem_args = (Ref("x"),), (Ref("pair"), 1)  # built once, as the runtime's instructions are
+
     def value(ref: Ref) -> Any:
         return env[ref.name]
 
     def calls() -> None:
         for _ in range(n):
-            torch.ops.aten.neg.default(*map_refs((Ref("x"),), value))
+            torch.ops.aten.neg.default(*map_refs(neg_args, value))
 
     def getitems() -> None:
         for _ in range(n):
-            operator.getitem(*map_refs((Ref("pair"), 1), value))
+            operator.getitem(*map_refs(getitem_args, value))
 
     with torch.no_grad():
         runtime_s = _block_seconds(lambda: execute(program, {"x": env["x"]}), device, rounds)
