@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from magis.cost.device_profiles import DEVICE_PROFILES
+from magis.cost.kernel_model import Gemm, best_tiling
 from magis.cost.latency import (
     AnalyticCostModel,
     LatencyProfile,
@@ -20,8 +22,9 @@ from magis.cost.latency import (
     estimate_latency,
     node_bytes,
     node_flops,
+    node_gemms,
 )
-from magis.cost.profiler import default_cache_path, random_tensor, replay_strides
+from magis.cost.profiler import default_cache_path, measurable, op_key, random_tensor, replay_strides
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
 
@@ -82,6 +85,51 @@ def test_flops_of_captured_conv_and_linear_match_hand_counts(conv_linear: Graph)
     }
 
 
+def test_convolutions_are_implicit_gemms(conv_linear: Graph) -> None:
+    """Forward: M = N x H_out x W_out, N = C_out, K = C_in x kh x kw / groups; the weight
+    gradient: M = C_out, N = C_in x kh x kw / groups, K = N x H_out x W_out (the input
+    needs no gradient here, so the backward runs only that GEMM)."""
+    gemms = {n.op_name: node_gemms(conv_linear, n.name) for n in conv_linear.nodes if "conv" in n.op_name}
+    assert gemms == {
+        "aten.convolution.default": (Gemm(1, 2 * 8 * 8, 4, 3 * 3 * 3),),
+        "aten.convolution_backward.default": (Gemm(1, 4, 3 * 3 * 3, 2 * 8 * 8),),
+    }
+
+
+def test_a_strided_convolution_backward_runs_a_gemm_per_gradient() -> None:
+    """Input gradient: M = N x H_in x W_in, N = C_in, K from the FLOPs (each gradient
+    counts as many as the forward); weight gradient as above."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 6, 3, padding=1, stride=2))
+    graph = capture(model, (torch.randn(2, 3, 8, 8),), lambda out: out.sum())
+    forward = 2 * (2 * 4 * 4) * 6 * (4 * 3 * 3)
+    backward = next(
+        n for n in graph.nodes if n.op_name == "aten.convolution_backward.default" and n.outputs[0] is not None
+    )
+    assert node_gemms(graph, backward.name) == (
+        Gemm(1, 2 * 8 * 8, 4, forward / (2 * 2 * 8 * 8 * 4)),
+        Gemm(1, 6, 4 * 3 * 3, 2 * 4 * 4),
+    )
+
+
+def test_fused_attention_is_a_batched_gemm_over_heads() -> None:
+    """Flash attention: one tile row per block of queries of one (batch, head), as wide
+    as the head; K = 2 x keys (Q K^T, then P V)."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            q = q * self.scale
+            return nn.functional.scaled_dot_product_attention(q, q * 2, q * 3)
+
+    graph = capture(Attention(), (torch.randn(2, 4, 16, 8),), lambda out: out.sum())
+    forward = next(n for n in graph.nodes if "attention" in n.op_name and "backward" not in n.op_name)
+    assert node_gemms(graph, forward.name) == (Gemm(2 * 4, 16, 8, 2 * 16),)
+
+
 def test_bytes_count_reads_and_writes_and_views_move_nothing(conv_linear: Graph) -> None:
     relu = next(n for n in conv_linear.nodes if n.op_name == "aten.relu.default")
     assert node_bytes(conv_linear, relu.name) == 2 * (2 * 4 * 8 * 8 * 4)
@@ -93,16 +141,21 @@ def test_bytes_count_reads_and_writes_and_views_move_nothing(conv_linear: Graph)
 
 
 # ------------------------------------------------------------------ analytic
-def test_analytic_node_time_is_the_roofline(large_matmuls: Graph) -> None:
+def test_a_large_gemm_costs_the_roofline_up_to_its_last_wave(large_matmuls: Graph) -> None:
+    """8192^3 in bf16 on an A100: 32 x 64 = 2048 tiles of 256x128 in 19 waves of 108,
+    the last one 104 tiles full: 0.2% above the roofline, and no launch cost on top."""
     profile = DEVICE_PROFILES["a100"]
     model = AnalyticCostModel(profile)
     mm = next(n for n in large_matmuls.nodes if n.op_name == "aten.mm.default")
     flops = node_flops(large_matmuls, mm.name)
     assert flops == 2 * 8192**3
+    assert node_gemms(large_matmuls, mm.name) == (Gemm(1, 8192, 8192, 8192),)
     compute = flops / (profile.compute_efficiency * profile.peak_flops["bf16"])
     memory = node_bytes(large_matmuls, mm.name) / (profile.bandwidth_efficiency * profile.memory_bandwidth)
     assert compute > memory
-    assert model.node_seconds(large_matmuls, mm.name) == pytest.approx(compute + profile.launch_overhead_s)
+    tiling = best_tiling(profile, Gemm(1, 8192, 8192, 8192), profile.flops_per_second(torch.bfloat16))
+    assert (tiling.rows, tiling.cols, tiling.tiles, tiling.waves) == (256, 128, 2048, 19)
+    assert model.node_seconds(large_matmuls, mm.name) == pytest.approx(compute * 19 * 108 / 2048)
 
 
 def test_analytic_latency_grows_with_size_and_ranks_devices(small_matmuls: Graph, large_matmuls: Graph) -> None:
@@ -198,6 +251,40 @@ def test_profiler_measures_each_operator_once_and_caches_on_disk(conv_linear: Gr
     assert again.measurements == 0
 
 
+def test_the_runtime_costs_are_measured_cached_and_added(
+    conv_linear: Graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """simulated total = the operators' profiled times + getitems x getitem_s
+    + instructions x instruction_s, every non-input node being one instruction."""
+    path = tmp_path / "latency.json"
+    order = order_of(conv_linear)
+    model = ProfiledCostModel(cache_path=path, repeats=2)
+    total = estimate_latency(conv_linear, order, model).total_s
+    cached = json.loads(path.read_text())["runtime_costs"]
+    assert 0 <= cached["instruction_s"] < 1e-4  # beyond mapping and calling, the runtime does little
+    assert 0 < cached["getitem_s"] < 1e-4
+    assert asdict(model.runtime_costs) == cached
+    strides = replay_strides(conv_linear)
+    ops = sum(model.cache.ops[op_key(conv_linear, n.name, strides)] or 0.0 for n in conv_linear.nodes if measurable(n))
+    getitems = sum(1 for n in conv_linear.nodes if n.op_name == "getitem")
+    instructions = sum(1 for n in conv_linear.nodes if not n.is_input)
+    assert getitems > 0
+    assert total == pytest.approx(ops + getitems * cached["getitem_s"] + instructions * cached["instruction_s"])
+
+    data = json.loads(path.read_text())
+    data["runtime_costs"] = {"instruction_s": 1e-3, "getitem_s": 1e-2}
+    path.write_text(json.dumps(data))
+
+    def never(*args: object) -> float:
+        raise AssertionError("the cached costs must be used")
+
+    monkeypatch.setattr("magis.cost.latency.measure_runtime_costs", never)
+    again = ProfiledCostModel(cache_path=path, repeats=2)
+    expected = ops + getitems * 1e-2 + instructions * 1e-3
+    assert estimate_latency(conv_linear, order, again).total_s == pytest.approx(expected)
+    assert again.measurements == 0
+
+
 def test_identical_operators_are_measured_once(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
     graph = capture(model, (torch.randn(4, 8),), lambda out: out.sum())
@@ -277,7 +364,7 @@ def test_abstract_and_failing_operators_fall_back_to_the_analytic_estimate(tmp_p
     profiled = ProfiledCostModel(cache_path=path, repeats=2)
     timeline = estimate_latency(graph, order, profiled)
     assert all(math.isfinite(s) and s > 0 for s in timeline.per_node_s[2:])
-    assert timeline.per_node_s[-1] == 0.25
+    assert timeline.per_node_s[-1] == 0.25 + profiled.runtime_costs.instruction_s  # the region is one instruction
     assert region.asked[-1] is profiled
     assert profiled.measurements == 1  # the aten op was tried once and failed
     cached = json.loads(path.read_text())

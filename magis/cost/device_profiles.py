@@ -2,9 +2,11 @@
 
 MAGIS (§5, "Simulator") estimates a schedule's latency from per-operator costs. On
 the local device those costs are measured (:mod:`magis.cost.profiler`); for any other
-device they come from a roofline over the figures below: an operator takes
-``max(flops / (compute_efficiency * peak), bytes / (bandwidth_efficiency * bandwidth))``
-plus the host-side cost of launching it.
+device they come from the figures below, which :mod:`magis.cost.kernel_model` turns
+into kernel times: a roofline ``max(flops / (compute_efficiency * peak), bytes /
+(bandwidth_efficiency * bandwidth))`` for large kernels, refined for small ones by
+tile and wave quantization (GEMM-like kernels) and by a minimum kernel time and a
+bandwidth ramp (memory-bound kernels). Every constant of that model is in this module.
 
 Peak figures are the vendors' datasheet numbers for *dense* math (datasheets print
 tensor-core figures "with sparsity", twice the dense rate; we halve them). Precision
@@ -18,22 +20,55 @@ Sources:
 
 - H200 SXM: NVIDIA H200 Tensor Core GPU datasheet (2024): FP64 34 TF, FP32 67 TF,
   TF32 989 TF / BF16 1,979 TF / FP16 1,979 TF with sparsity, 141 GB HBM3e at 4.8 TB/s,
-  PCIe Gen5 128 GB/s (both directions together).
+  PCIe Gen5 128 GB/s (both directions together). Same GH100 compute die as the H100
+  SXM5, hence the same 132 SMs.
 - H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (2023): FP64 34 TF, FP32 67 TF,
   TF32 989 TF / BF16 1,979 TF / FP16 1,979 TF with sparsity, 80 GB HBM3 at 3.35 TB/s,
-  PCIe Gen5 128 GB/s.
+  PCIe Gen5 128 GB/s. 132 SMs: NVIDIA H100 Tensor Core GPU Architecture whitepaper
+  ("the H100 SXM5 GPU has 132 SMs").
 - A100 SXM4 80 GB: NVIDIA A100 Tensor Core GPU datasheet (2021): FP64 9.7 TF, FP32 19.5 TF,
   TF32 156 TF, BF16 312 TF, FP16 312 TF (dense), 80 GB HBM2e at 2,039 GB/s, PCIe Gen4 64 GB/s.
+  108 SMs: NVIDIA A100 Tensor Core GPU Architecture whitepaper, and the example GPU of
+  NVIDIA's Matrix Multiplication Background User's Guide (DU-09799-001, 2023), §3.2.
 - GeForce RTX 3090: NVIDIA Ampere GA102 GPU Architecture whitepaper (v2.1), appendix table:
-  FP32 35.6 TF (non-tensor), TF32 35.6 TF, FP16 and BF16 71 TF with FP32 accumulate (dense),
-  FP64 1/64 of FP32; 24 GB GDDR6X at 936 GB/s; PCIe Gen4 x16.
+  82 SMs, FP32 35.6 TF (non-tensor), TF32 35.6 TF, FP16 and BF16 71 TF with FP32
+  accumulate (dense), FP64 1/64 of FP32; 24 GB GDDR6X at 936 GB/s; PCIe Gen4 x16.
+- Tiles and waves: NVIDIA Matrix Multiplication Background User's Guide (DU-09799-001,
+  February 2023). §2.1: a GEMM is computed by thread blocks, each owning one output
+  tile; §2.3: the tile sizes cuBLAS chooses among, from 256x128 / 128x256 (the most
+  efficient: most data reuse) down to 64x64 (the least); §3.1 (tile quantization):
+  every tile does a full tile's math, so a dimension one past a multiple of the tile
+  pays a whole extra row or column of tiles; §3.2 (wave quantization): the tiles run
+  in waves of one tile per SM (A100: 108 tiles of 256x128), and a partial last wave
+  takes as long as a full one.
+- Split-K: when an output has too few tiles to fill the SMs (a weight gradient: a
+  small output summed over a long batch), cuBLAS and CUTLASS also cut the sum over
+  ``k`` among several thread blocks and reduce their partial results (CUTLASS,
+  "Efficient GEMM in CUDA", *Parallelized Reductions: Split K*).
 
 Memory sizes are the marketed GB read as GiB, which is what the devices report
 (an "80 GB" H100 shows 79.1 GiB to ``torch.cuda.get_device_properties``). Host links
 are one direction of a PCIe x16 slot (Gen5: 64 GB/s, Gen4: 32 GB/s); swapping moves
-data one way at a time. The launch overhead is not a datasheet figure: it is the
-typical host-side cost of one eager PyTorch kernel launch (dispatcher plus
-``cudaLaunchKernel``), a few microseconds on a modern server CPU.
+data one way at a time.
+
+Three constants are not datasheet figures but typical measured behaviour, to be
+calibrated against a real GPU with ``bench/gpu_fidelity.py``:
+
+- :data:`LAUNCH_OVERHEAD_S`, the host-side cost of one eager PyTorch kernel launch
+  (dispatcher plus ``cudaLaunchKernel``), a few microseconds on a modern server CPU;
+  launches are asynchronous, so it overlaps with the previous kernel's execution;
+- :data:`MIN_KERNEL_S`, the shortest time a kernel occupies the GPU from start to end
+  (scheduling its blocks, one round trip to memory, the end-of-kernel flush): about
+  2 microseconds in Nsight Systems timelines of small elementwise kernels on A100/H100;
+- :data:`DRAM_LATENCY_S`, the latency of one load from device memory (about 0.5
+  microseconds on HBM GPUs, e.g. Jia et al., "Dissecting the NVIDIA Volta/Ampere
+  GPU architecture via microbenchmarking"). By Little's law a kernel needs
+  bandwidth x latency bytes in flight to stream at full bandwidth, so one that moves
+  ``b`` bytes takes ``latency + b / bandwidth``: its achieved bandwidth ramps up with
+  its size and reaches half the peak at ``bandwidth x latency`` bytes (1.3 MB on H100).
+
+The relative efficiencies of the smaller tiles (:data:`CUBLAS_TILES`) are likewise a
+modelling assumption that follows the guide's ranking (§2.3), not a measurement.
 """
 
 from __future__ import annotations
@@ -47,6 +82,45 @@ TERA = 1e12
 GIGA = 1e9
 GIB = 2**30
 
+#: host-side cost of launching one kernel from eager PyTorch (see the module docstring).
+LAUNCH_OVERHEAD_S = 5e-6
+#: shortest time a kernel occupies the GPU (see the module docstring).
+MIN_KERNEL_S = 2e-6
+#: latency of one device-memory load; sets the bandwidth ramp of small kernels.
+DRAM_LATENCY_S = 0.5e-6
+#: fraction of peak math throughput a large GEMM or convolution reaches.
+GEMM_EFFICIENCY = 0.65
+#: fraction of peak memory bandwidth a large streaming kernel reaches.
+STREAM_EFFICIENCY = 0.8
+#: fraction of the host link's bandwidth a large pinned copy reaches.
+HOST_LINK_EFFICIENCY = 0.8
+
+#: GEMM output tiles (rows, columns, throughput relative to the largest tile), as
+#: cuBLAS chooses among them (Matrix Multiplication Background User's Guide §2.3):
+#: 256x128 and 128x256 are the most efficient, then 128x128, then 256x64 and 64x256,
+#: then 128x64 and 64x128, and 64x64 the least. The relative throughputs (a smaller
+#: tile reuses each loaded operand fewer times) are a modelling assumption.
+CUBLAS_TILES: tuple[tuple[int, int, float], ...] = (
+    (256, 128, 1.0),
+    (128, 256, 1.0),
+    (128, 128, 0.9),
+    (256, 64, 0.85),
+    (64, 256, 0.85),
+    (128, 64, 0.75),
+    (64, 128, 0.75),
+    (64, 64, 0.6),
+)
+
+#: the ways a GEMM's sum over ``k`` may be cut among thread blocks (split-K, see the
+#: sources above); the partial sums, in fp32, are written and read once more. Which
+#: counts a library offers is a modelling assumption.
+SPLIT_K: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+#: bytes of one partial sum of a split-K GEMM (fp32 accumulators).
+PARTIAL_SUM_BYTES = 4
+
+#: streaming multiprocessors (see the sources above): the size of a wave of tiles.
+SM_COUNT = {"h200": 132, "h100": 132, "a100": 108, "rtx3090": 82}
+
 #: precision key of each floating dtype; any other dtype (integers, bool) counts at the fp32 rate.
 PRECISION_OF_DTYPE: Mapping[torch.dtype, str] = {
     torch.float64: "fp64",
@@ -58,23 +132,33 @@ PRECISION_OF_DTYPE: Mapping[torch.dtype, str] = {
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Roofline figures of one device (MAGIS §5 cost model).
+    """Figures of one device (MAGIS §5 cost model).
 
     ``peak_flops`` maps a precision key (``fp64``, ``fp32``, ``tf32``, ``bf16``,
-    ``fp16``) to dense FLOP/s. The efficiencies are the fraction of each peak a real
+    ``fp16``) to dense FLOP/s. The efficiencies are the fraction of each peak a large
     kernel reaches: large GEMMs and convolutions get 60-70% of peak tensor-core
     throughput, streaming kernels about 80% of the memory bandwidth.
+
+    A GPU (``sm_count > 0``) launches asynchronously and runs GEMMs in tiles and
+    waves (:mod:`magis.cost.kernel_model`); a device with ``sm_count == 0`` (the
+    crude roofline the profiler measures of the local CPU) is a plain roofline whose
+    launch cost adds to every operator.
     """
 
     name: str
     peak_flops: Mapping[str, float] = field(hash=False)
     memory_bandwidth: float  # bytes/s, device memory
-    launch_overhead_s: float  # fixed cost of every operator that launches a kernel
+    launch_overhead_s: float  # host cost of launching one operator
     host_link_bandwidth: float  # bytes/s, one direction host <-> device (for swapping)
     memory_bytes: int  # device memory capacity
-    compute_efficiency: float = 0.65
-    bandwidth_efficiency: float = 0.8
-    host_link_efficiency: float = 0.8
+    compute_efficiency: float = GEMM_EFFICIENCY
+    bandwidth_efficiency: float = STREAM_EFFICIENCY
+    host_link_efficiency: float = HOST_LINK_EFFICIENCY
+    sm_count: int = 0  # streaming multiprocessors; 0: not a GPU
+    gemm_tiles: tuple[tuple[int, int, float], ...] = field(default=CUBLAS_TILES, hash=False)
+    split_k: tuple[int, ...] = field(default=SPLIT_K, hash=False)
+    min_kernel_s: float = 0.0  # shortest time a kernel occupies the device
+    memory_latency_s: float = 0.0  # one device-memory load: the bandwidth ramp
 
     def flops_per_second(self, dtype: torch.dtype, tensor_core_fp32: bool = False) -> float:
         """Achievable FLOP/s for math in ``dtype``; ``tensor_core_fp32`` selects TF32 for fp32."""
@@ -94,10 +178,27 @@ class DeviceProfile:
         return self.host_link_efficiency * self.host_link_bandwidth
 
 
-def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
-    """H100 and H200 share the same SXM compute die; they differ in memory."""
+def _gpu(
+    name: str, peak_flops: Mapping[str, float], memory_bandwidth: float, host_link_bandwidth: float, memory_bytes: int
+) -> DeviceProfile:
+    """A GPU's profile: its datasheet figures and the constants every GPU shares."""
     return DeviceProfile(
         name=name,
+        peak_flops=peak_flops,
+        memory_bandwidth=memory_bandwidth,
+        launch_overhead_s=LAUNCH_OVERHEAD_S,
+        host_link_bandwidth=host_link_bandwidth,
+        memory_bytes=memory_bytes,
+        sm_count=SM_COUNT[name],
+        min_kernel_s=MIN_KERNEL_S,
+        memory_latency_s=DRAM_LATENCY_S,
+    )
+
+
+def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
+    """H100 and H200 share the same SXM compute die; they differ in memory."""
+    return _gpu(
+        name,
         peak_flops={
             "fp64": 34 * TERA,
             "fp32": 67 * TERA,
@@ -106,7 +207,6 @@ def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
             "fp16": 989.5 * TERA,
         },
         memory_bandwidth=bandwidth_tb_s * TERA,
-        launch_overhead_s=5e-6,
         host_link_bandwidth=64 * GIGA,
         memory_bytes=memory_gib * GIB,
     )
@@ -116,8 +216,8 @@ def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
 DEVICE_PROFILES: dict[str, DeviceProfile] = {
     "h200": _hopper("h200", memory_gib=141, bandwidth_tb_s=4.8),
     "h100": _hopper("h100", memory_gib=80, bandwidth_tb_s=3.35),
-    "a100": DeviceProfile(
-        name="a100",
+    "a100": _gpu(
+        "a100",
         peak_flops={
             "fp64": 9.7 * TERA,
             "fp32": 19.5 * TERA,
@@ -126,12 +226,11 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
             "fp16": 312 * TERA,
         },
         memory_bandwidth=2039 * GIGA,
-        launch_overhead_s=5e-6,
         host_link_bandwidth=32 * GIGA,
         memory_bytes=80 * GIB,
     ),
-    "rtx3090": DeviceProfile(
-        name="rtx3090",
+    "rtx3090": _gpu(
+        "rtx3090",
         peak_flops={
             "fp64": 35.6 / 64 * TERA,
             "fp32": 35.6 * TERA,
@@ -140,7 +239,6 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
             "fp16": 71 * TERA,
         },
         memory_bandwidth=936 * GIGA,
-        launch_overhead_s=5e-6,
         host_link_bandwidth=32 * GIGA,
         memory_bytes=24 * GIB,
     ),

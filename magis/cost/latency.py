@@ -6,11 +6,15 @@ times on one stream. Operator times come from a :class:`CostModel`:
 
 - :class:`ProfiledCostModel` measures each distinct operator application once on
   this machine's CPU or GPU and caches the result on disk (:mod:`magis.cost.profiler`);
-- :class:`AnalyticCostModel` prices it with a roofline over a named device's
-  datasheet figures (:mod:`magis.cost.device_profiles`), to plan for a GPU one does
-  not have.
+- :class:`AnalyticCostModel` prices it from a named device's figures
+  (:mod:`magis.cost.device_profiles`) with the kernel model of
+  :mod:`magis.cost.kernel_model` (a roofline for large kernels; tiles and waves for
+  GEMM-like kernels, a bandwidth ramp and a minimum time for small ones), to plan
+  for a GPU one does not have.
 
-Graph inputs and ``getitem`` cost nothing. A node whose target knows its own cost
+Graph inputs cost nothing; so do ``getitem`` in the analytic model, while the profiled
+model charges it the runtime's work (its argument mapping and call, measured once).
+A node whose target knows its own cost
 (a fissioned region runs its parts one after another) provides
 ``estimate_seconds(cost_model)`` and is asked for it.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -31,15 +36,18 @@ from torch.utils.flop_counter import flop_registry
 from tqdm import tqdm
 
 from magis.cost.device_profiles import DEVICE_PROFILES, DeviceProfile
+from magis.cost.kernel_model import Gemm, gemm_seconds, kernel_seconds, stream_seconds
 from magis.cost.profiler import (
     LatencyCache,
     NodeStrides,
+    RuntimeCosts,
     bind_arguments,
     default_cache_path,
     is_view,
     measurable,
     measure_device_profile,
     measure_nodes,
+    measure_runtime_costs,
     op_key,
     replay_strides,
 )
@@ -130,6 +138,46 @@ def node_flops(graph: Graph, name: str) -> int:
         return 0
 
 
+def _gemm_of(shape: tuple[int, ...], layout: str, flops: float) -> Gemm:
+    """The GEMM that writes an output of ``shape`` with ``flops`` FLOPs of math.
+
+    ``layout`` says how the output maps onto the GEMM's ``m x n`` result:
+    ``"matrix"`` (``[..., m, n]``, leading dimensions batched: mm, bmm, attention),
+    ``"activation"`` (``[batch, n, *spatial]``: an implicit-GEMM convolution or its
+    input gradient, ``m`` = batch x spatial positions, ``n`` = channels), or
+    ``"weight"`` (``[m, *rest]``: a convolution's weight gradient, ``m`` = output
+    channels, ``n`` = input channels / groups x kernel positions). ``k`` follows from
+    the FLOPs, so it is whatever the flop formula counts (``C_in / groups x kernel``
+    for a convolution, twice the key length for attention).
+    """
+    if layout == "matrix":
+        batch, m, n = math.prod(shape[:-2]), shape[-2], shape[-1]
+    elif layout == "activation":
+        batch, m, n = 1, shape[0] * math.prod(shape[2:]), shape[1]
+    else:
+        batch, m, n = 1, shape[0], math.prod(shape[1:])
+    size = batch * m * n
+    return Gemm(batch, m, n, flops / (2 * size) if size else 0.0)
+
+
+def node_gemms(graph: Graph, name: str) -> tuple[Gemm, ...]:
+    """The GEMM-like kernels of a matmul, convolution or attention node; ``()`` for any other.
+
+    A convolution's backward runs one implicit GEMM per gradient it computes (input
+    and weight, as many FLOPs each as the forward; its bias gradient is a reduction);
+    every other node runs one GEMM shaped by its first output.
+    """
+    flops = node_flops(graph, name)
+    if not flops:
+        return ()
+    node = graph[name]
+    if "convolution_backward" in node.op_name:
+        grads = [(meta, layout) for meta, layout in zip(node.outputs[:2], ("activation", "weight")) if meta is not None]
+        return tuple(_gemm_of(meta.shape, layout, flops / len(grads)) for meta, layout in grads)
+    layout = "activation" if "convolution" in node.op_name else "matrix"
+    return (_gemm_of(node.outputs[0].shape, layout, flops),)
+
+
 def node_bytes(graph: Graph, name: str) -> int:
     """Bytes a node moves through device memory: what it reads plus the storages it writes.
 
@@ -159,10 +207,13 @@ def _compute_dtype(graph: Graph, node: Node) -> torch.dtype:
 # -------------------------------------------------------------- the models
 @dataclass(frozen=True)
 class AnalyticCostModel:
-    """Roofline cost of each operator on a named device (MAGIS §5 cost model).
+    """Cost of each operator on a named device (MAGIS §5 cost model).
 
-    ``time = max(flops / achievable FLOP/s, bytes / achievable bandwidth) + launch overhead``;
-    inputs, ``getitem`` and views cost nothing. ``tf32_matmul`` and ``tf32_conv``
+    The math of its GEMM-like kernels (:func:`node_gemms`, in tiles and waves on a
+    GPU) against the bytes it moves, composed with the launch cost as
+    :func:`magis.cost.kernel_model.kernel_seconds` says; for large kernels this is the
+    roofline ``max(flops / achievable FLOP/s, bytes / achievable bandwidth)``. Inputs,
+    ``getitem`` and views cost nothing. ``tf32_matmul`` and ``tf32_conv``
     say whether fp32 matmuls and convolutions use TF32 tensor cores; the defaults are
     PyTorch's (``torch.backends.cuda.matmul.allow_tf32=False``, ``torch.backends.cudnn.allow_tf32=True``).
     """
@@ -179,13 +230,14 @@ class AnalyticCostModel:
         if is_free(node) or is_view(node):
             return 0.0
         profile = self.profile
-        memory_s = node_bytes(graph, name) / profile.bytes_per_second
-        flops = node_flops(graph, name)
+        memory_s = stream_seconds(profile, node_bytes(graph, name))
         compute_s = 0.0
-        if flops:
+        gemms = node_gemms(graph, name)
+        if gemms:
             tf32 = self.tf32_conv if "conv" in node.op_name else self.tf32_matmul
-            compute_s = flops / profile.flops_per_second(_compute_dtype(graph, node), tf32)
-        return max(compute_s, memory_s) + profile.launch_overhead_s
+            rate = profile.flops_per_second(_compute_dtype(graph, node), tf32)
+            compute_s = sum(gemm_seconds(profile, gemm, rate) for gemm in gemms)
+        return kernel_seconds(profile, compute_s, memory_s)
 
 
 class ProfiledCostModel:
@@ -196,7 +248,13 @@ class ProfiledCostModel:
     dtypes and strides and timed (median of ``repeats`` samples after a warm-up); the
     times go to a JSON cache on disk (``cache_path``, by default under
     ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run measures nothing.
-    Views are timed too: on this device they cost their dispatch overhead. An
+    Views are timed too: on this device they cost their dispatch overhead. On CPU,
+    every node the runtime runs as an instruction (all but the graph's inputs) also
+    costs the runtime's own work around the call, and a ``getitem`` the mapping and
+    picking of its element (:attr:`runtime_costs`, measured once and kept in the same
+    cache): a simulated step is the sum of its operators and ``getitem`` s plus
+    ``instructions x instruction_s``. On CUDA that host work runs while earlier
+    kernels execute, and is not added. An
     operator that cannot be run (an abstract target, or one that fails) is priced by
     an :class:`AnalyticCostModel` over a crude roofline of this device, itself
     measured once and cached.
@@ -238,15 +296,34 @@ class ProfiledCostModel:
             self._fallback = AnalyticCostModel(profile)
         return self._fallback
 
+    @property
+    def runtime_costs(self) -> RuntimeCosts:
+        """The runtime's own costs: measured on CPU once
+        (:func:`magis.cost.profiler.measure_runtime_costs`) and cached; none on CUDA."""
+        if self.device.type != "cpu":
+            return RuntimeCosts(instruction_s=0.0, getitem_s=0.0)
+        if self.cache.runtime_costs is None:
+            self.cache.runtime_costs = asdict(measure_runtime_costs(self.device))
+            self.cache.save()
+        return RuntimeCosts(**self.cache.runtime_costs)
+
     def _price(self, graph: Graph) -> dict[str, float]:
         strides = replay_strides(graph)
         keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
         self._measure(graph, keys, strides)
-        return {node.name: self._seconds(graph, node, keys.get(node.name)) for node in graph.nodes}
+        runtime = self.runtime_costs
+        seconds = {}
+        for node in graph.nodes:
+            if node.is_input:
+                seconds[node.name] = 0.0
+            elif node.target is operator.getitem:
+                seconds[node.name] = runtime.getitem_s + runtime.instruction_s
+            else:
+                seconds[node.name] = self._seconds(graph, node, keys.get(node.name)) + runtime.instruction_s
+        return seconds
 
     def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
-        if is_free(node):
-            return 0.0
+        """An operator's (or a region's) own work, without the runtime's cost per instruction."""
         delegated = _delegated_seconds(node, self)
         if delegated is not None:
             return delegated

@@ -4,10 +4,14 @@ The simulator sums per-operator costs. On the local device magis measures each
 distinct operator application — op overload, input shapes, dtypes and strides,
 constant arguments, output shapes — by running it on random inputs of the recorded
 shapes, and caches the fastest time in a JSON file, so a later run (or another
-process on the same machine) measures nothing. This module holds that machinery:
-op keys, input materialisation, timing, the disk cache and a crude roofline of the
-local device for operators that cannot be measured. :class:`magis.cost.latency.ProfiledCostModel`
-puts it together.
+process on the same machine) measures nothing. The time covers what the runtime
+does per operator (map its arguments from the environment, call it); what the
+runtime spends around that (its loop, storing the result, freeing dead values) and
+on ``getitem`` instructions is measured once per machine
+(:func:`measure_runtime_costs`) and kept in the same cache. This module holds that
+machinery: op keys, input materialisation, timing, the disk cache and a crude
+roofline of the local device for operators that cannot be measured.
+:class:`magis.cost.latency.ProfiledCostModel` puts it together.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from magis.backend.runtime import execute, lower
 from magis.cost.device_profiles import PRECISION_OF_DTYPE, DeviceProfile
-from magis.ir.graph import Graph, Node, Ref, TensorMeta, map_refs
+from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta, map_refs
 
 CACHE_FORMAT = 1
 CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
@@ -39,6 +45,10 @@ CUDA_SAMPLE_S = 1e-3
 #: inputs take at most this many bytes.
 WINDOW_OPS = 32
 WINDOW_BYTES = 512 * 2**20
+#: instructions of the program that measures the runtime's own costs, and how many
+#: times it runs (the fastest run counts).
+OVERHEAD_PROGRAM_OPS = 64
+OVERHEAD_ROUNDS = 30
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +73,8 @@ def default_cache_path(device: torch.device) -> Path:
 
 
 class LatencyCache:
-    """Seconds per op key (``None``: the op could not run) and the device's crude roofline.
+    """Seconds per op key (``None``: the op could not run), the device's crude roofline
+    and the runtime's own costs (:class:`RuntimeCosts` as a dict, ``None`` until measured).
 
     Saving merges with what other processes wrote meanwhile and replaces the file
     atomically, so concurrent runs never corrupt it.
@@ -71,23 +82,30 @@ class LatencyCache:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.ops, self.device_profile = self._read()
+        self.ops, self.device_profile, self.runtime_costs = self._read()
 
-    def _read(self) -> tuple[dict[str, float | None], dict[str, Any] | None]:
+    def _read(self) -> tuple[dict[str, float | None], dict[str, Any] | None, dict[str, float] | None]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return {}, None
+            return {}, None, None
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
-            return {}, None
-        return dict(data.get("ops", {})), data.get("device_profile")
+            return {}, None, None
+        return dict(data.get("ops", {})), data.get("device_profile"), data.get("runtime_costs")
 
     def save(self) -> None:
-        ops, profile = self._read()
+        ops, profile, runtime = self._read()
         ops.update(self.ops)
         self.ops = ops
         self.device_profile = self.device_profile or profile
-        data = {"format": CACHE_FORMAT, "torch": torch.__version__, "device_profile": self.device_profile, "ops": ops}
+        self.runtime_costs = self.runtime_costs or runtime
+        data = {
+            "format": CACHE_FORMAT,
+            "torch": torch.__version__,
+            "device_profile": self.device_profile,
+            "runtime_costs": self.runtime_costs,
+            "ops": ops,
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
             json.dump(data, tmp, indent=0, sort_keys=True)
@@ -259,7 +277,7 @@ def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], 
 
     The call resolves its :class:`Ref` arguments as the runtime's interpreter does
     (:func:`magis.ir.graph.map_refs` over the arguments), so the time includes that
-    per-instruction cost.
+    per-instruction cost, whose price depends on the operator's arguments.
     """
     node = graph[name]
     inputs: dict[str, Any] = {}
@@ -321,6 +339,70 @@ def measure_nodes(
             del calls
             for name in window:
                 yield name, times.get(name)
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """What the magis runtime (:func:`magis.backend.runtime.execute`) spends beyond the
+    operators' profiled times: ``instruction_s`` per instruction (its loop, storing the
+    result, freeing the values that died), ``getitem_s`` per ``getitem`` instruction
+    (mapping its argument and picking the element, which no profile times)."""
+
+    instruction_s: float
+    getitem_s: float
+
+
+def _block_seconds(fn: Callable[[], Any], device: torch.device, rounds: int) -> float:
+    """Fastest of ``rounds`` timed runs of ``fn`` (after one warm-up run)."""
+    sync = _synchronizer(device)
+    fn()
+    runs = []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        runs.append(time.perf_counter() - start)
+    return min(runs)
+
+
+def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -> RuntimeCosts:
+    """The runtime's own costs on ``device``, measured in a few milliseconds.
+
+    A program of :data:`OVERHEAD_PROGRAM_OPS` ``neg`` instructions on one element, each
+    result freed by the next, runs through the runtime; the same calls, arguments
+    mapped as the profiler maps them, run in a plain loop; the difference per
+    instruction (never below zero) is ``instruction_s``. A plain loop of ``getitem``
+    calls with mapped arguments gives ``getitem_s``. Each is the fastest of ``rounds``
+    runs: a busy moment only slows some runs down.
+    """
+    n = OVERHEAD_PROGRAM_OPS
+    one = TensorMeta((1,), torch.float32, 4)
+    nodes = [Node("x", None, outputs=(one,), aliases=(None,), role=Role.INPUT)]
+    for i in range(n):
+        previous = Ref(nodes[-1].name)
+        nodes.append(Node(f"neg{i}", torch.ops.aten.neg.default, (previous,), outputs=(one,), aliases=(None,)))
+    program = lower(Graph(tuple(nodes), outputs=(nodes[-1].name,)))
+    env: dict[str, Any] = {"x": torch.ones(1, device=device), "pair": (None, None)}
+
+    neg_args, getitem_args = (Ref("x"),), (Ref("pair"), 1)  # built once, as the runtime's instructions are
+
+    def value(ref: Ref) -> Any:
+        return env[ref.name]
+
+    def calls() -> None:
+        for _ in range(n):
+            torch.ops.aten.neg.default(*map_refs(neg_args, value))
+
+    def getitems() -> None:
+        for _ in range(n):
+            operator.getitem(*map_refs(getitem_args, value))
+
+    with torch.no_grad():
+        runtime_s = _block_seconds(lambda: execute(program, {"x": env["x"]}), device, rounds)
+        calls_s = _block_seconds(calls, device, rounds)
+        getitem_s = _block_seconds(getitems, device, rounds)
+    return RuntimeCosts(instruction_s=max(0.0, (runtime_s - calls_s) / n), getitem_s=getitem_s / n)
 
 
 def measure_device_profile(device: torch.device, repeats: int = 5) -> DeviceProfile:
