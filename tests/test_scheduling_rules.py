@@ -23,6 +23,7 @@ from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph
 from magis.models import WORKLOADS, Built
+from magis.rules.compact import compact
 from magis.rules.remat import RematError, de_remat, recompute, remat, why_not_recomputable
 from magis.rules.rewrite import Rewrite, Timeline, saved_tensors
 from magis.rules.swap import de_swap, swap
@@ -39,6 +40,7 @@ class Step:
 
     built: Built
     graph: Graph
+    name: str = ""
 
     @cached_property
     def reference(self) -> dict[str, torch.Tensor]:
@@ -54,13 +56,13 @@ class Step:
         return simulate_memory(self.graph, [n.name for n in self.graph.nodes]).peak
 
 
-def step_of(built: Built) -> Step:
-    return Step(built, capture(built.model, built.example_inputs, built.loss_fn))
+def step_of(built: Built, name: str = "") -> Step:
+    return Step(built, capture(built.model, built.example_inputs, built.loss_fn), name)
 
 
 @pytest.fixture(scope="module", params=sorted(WORKLOADS))
 def workload(request) -> Step:
-    return step_of(in_float64(WORKLOADS[request.param].build("tiny", seed=0)))
+    return step_of(in_float64(WORKLOADS[request.param].build("tiny", seed=0)), request.param)
 
 
 def test_remat_candidates_of_every_workload_run_like_eager_below_the_old_peak(workload):
@@ -92,6 +94,20 @@ def test_swap_candidates_of_every_workload_run_like_eager_below_the_old_peak(wor
     best = max(candidates, key=lambda c: c.saving)
     assert simulate_memory(best.graph, best.order).host_peak == best.saving
     assert_runs_like_eager(workload, best.graph, best.order)
+
+
+#: tiny workloads where Echo's compaction frees memory at the peak: BERT's attention dropout
+#: (its input, the softmax output, is kept anyway), ReLUs read again only by their backward
+COMPACTABLE = {"bert-base", "resnet50", "unet", "unetpp"}
+
+
+def test_compact_candidates_of_every_workload_run_like_eager_below_the_old_peak(workload):
+    candidates = compact(workload.graph)
+    assert bool(candidates) == (workload.name in COMPACTABLE)
+    if candidates:
+        assert all(simulate_memory(c.graph, c.order).peak < workload.peak for c in candidates)
+        best = max(candidates, key=lambda c: c.saving)
+        assert_runs_like_eager(workload, best.graph, best.order)
 
 
 class GeluMLP(nn.Module):
@@ -176,6 +192,51 @@ def _without_mask(graph: Graph, mask: str) -> Graph:
     """``graph`` where the dropout mask's ``getitem`` reads another element (so none holds the mask)."""
     moved = dataclasses.replace(graph[mask], args=(graph[mask].args[0], 0))
     return Graph(tuple(moved if n.name == mask else n for n in graph.nodes), graph.outputs, graph.signature)
+
+
+class ReluDropoutMLP(nn.Module):
+    """Blocks of linear -> relu -> dropout: relu's output is read again only by its backward
+    (dropout saves its mask, the next linear the dropout's output)."""
+
+    def __init__(self, blocks: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self.drop(torch.relu(layer(x)))
+        return x.square().mean()
+
+
+def test_relu_keeps_a_bool_mask_for_its_backward():
+    """Echo's compact ReLU: each saved fp64 ReLU output (8 bytes an element) gives way to a
+    bool mask (1 byte); the backward reads the mask; gradients are eager's, the peak drops.
+    (The rule also offers each dropout's output from its mask, the ReLU output being kept.)"""
+    torch.manual_seed(0)
+    step = step_of(Built(ReluDropoutMLP().double(), (torch.randn(64, 16, dtype=torch.float64),)))
+    graph, applied = step.graph, 0
+    while masks := [c for c in compact(graph) if "bool mask" in c.description]:
+        graph, applied = masks[0].graph, applied + 1
+    assert applied == 3
+    assert not [n for n in graph.nodes if n.target is aten.threshold_backward.default]
+    masks = [n for n in graph.nodes if n.target is aten.le.Scalar]
+    assert len(masks) == 3 and all(n.meta.dtype is torch.bool for n in masks)
+    result = schedule(graph, time_limit_s=1.0)
+    assert result.peak <= schedule(step.graph, time_limit_s=1.0).peak - 3 * 64 * 16 * (8 - 1)
+    assert_runs_like_eager(step, graph, result.order)
+
+
+def test_dropout_output_is_kept_as_its_mask_where_its_input_is_kept_anyway():
+    """BERT's attention probabilities are saved by softmax's backward; the dropped-out copy
+    the matmul saves is recomputed from the mask instead (Echo: dropout keeps its mask)."""
+    step = step_of(in_float64(WORKLOADS["bert-base"].build("tiny", seed=0)))
+    candidates = compact(step.graph)
+    assert candidates and all("recomputed from its mask" in c.description for c in candidates)
+    for candidate in candidates:
+        assert simulate_memory(candidate.graph, candidate.order).peak < step.peak
+        assert [n.name for n in candidate.graph.nodes if n.random] == [n.name for n in step.graph.nodes if n.random]
+    assert_runs_like_eager(step, candidates[0].graph, candidates[0].order)
 
 
 def test_swap_transfers_overlap_with_compute_and_show_only_what_is_not_hidden():

@@ -215,10 +215,13 @@ def recompute(
     the first of them (MAGIS §5.2 Re-materialization); raises :class:`RematError` when the
     saved tensor cannot be recomputed."""
     segment = plan_recompute(graph, saved, timeline, heavy, max_ops)
-    return _with_copies(graph, saved, timeline, segment), segment
+    return with_copies(graph, saved, timeline, segment), segment
 
 
-def _with_copies(graph: Graph, saved: SavedTensor, timeline: Timeline, segment: Segment) -> Graph:
+def with_copies(graph: Graph, saved: SavedTensor, timeline: Timeline, segment: Segment) -> Graph:
+    """``graph`` with ``segment``'s copies placed right before the first late reader of
+    ``saved``, those readers reading the copies, and what no longer has readers removed."""
+
     def to_copy(ref: Ref) -> Ref:
         return Ref(segment.copy_of.get(ref.name, ref.name))
 
@@ -246,7 +249,7 @@ def remat(
         saving = net_saving(timeline, saved.freed, kept_alive(graph, timeline, segment.reads, saved.first_late))
         if saving is None:
             continue
-        result = _with_copies(graph, saved, timeline, segment)
+        result = with_copies(graph, saved, timeline, segment)
         if not timeline.not_raised_by(result):
             continue
         owner = saved.storage[0]
