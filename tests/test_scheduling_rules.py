@@ -240,9 +240,11 @@ def test_dropout_output_is_kept_as_its_mask_where_its_input_is_kept_anyway():
 
 
 def test_swap_transfers_overlap_with_compute_and_show_only_what_is_not_hidden():
-    """On an H100 the Store follows its tensor at once, the Load has compute enough before its
+    """A copy costs its bytes over 80% of one direction of the host link (H100: PCIe 5.0 x16).
+    On an H100 the Store follows its tensor at once, the Load has compute enough before its
     reader, and the step takes no longer; over a link so slow that no compute hides the
     copies, part of them shows, never more than both copies back to back."""
+    assert H100.profile.host_link == "PCIe 5.0 x16" and H100.profile.host_link_bandwidth == 64e9
     step = mlp_step()
     base_order = [n.name for n in step.graph.nodes]
     slow = AnalyticCostModel(dataclasses.replace(H100.profile, host_link_bandwidth=1e6))
@@ -253,6 +255,8 @@ def test_swap_transfers_overlap_with_compute_and_show_only_what_is_not_hidden():
             store, load = (n.name for n in graph.nodes if n.op_name in ("store", "load"))
             assert order.index(store) == order.index(graph[store].inputs[0]) + 1
             copies = model.node_seconds(graph, store) + model.node_seconds(graph, load)
+            nbytes = graph.host_storage_bytes[(store, 0)]
+            assert copies == pytest.approx(2 * nbytes / (0.8 * model.profile.host_link_bandwidth))
             total = estimate_latency(graph, order, model).total_s
             reader = min(order.index(r) for r in graph.consumers[load])
             between = sum(model.node_seconds(graph, n) for n in order[order.index(load) + 1 : reader])

@@ -75,6 +75,7 @@ class DeviceProfile:
     compute_efficiency: float = 0.65
     bandwidth_efficiency: float = 0.8
     host_link_efficiency: float = 0.8
+    host_link: str = ""  # what connects it to host memory (swapping), e.g. "PCIe 5.0 x16"
 
     def flops_per_second(self, dtype: torch.dtype, tensor_core_fp32: bool = False) -> float:
         """Achievable FLOP/s for math in ``dtype``; ``tensor_core_fp32`` selects TF32 for fp32."""
@@ -109,6 +110,7 @@ def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
         launch_overhead_s=5e-6,
         host_link_bandwidth=64 * GIGA,
         memory_bytes=memory_gib * GIB,
+        host_link="PCIe 5.0 x16",
     )
 
 
@@ -129,6 +131,7 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
         launch_overhead_s=5e-6,
         host_link_bandwidth=32 * GIGA,
         memory_bytes=80 * GIB,
+        host_link="PCIe 4.0 x16",
     ),
     "rtx3090": DeviceProfile(
         name="rtx3090",
@@ -143,5 +146,6 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
         launch_overhead_s=5e-6,
         host_link_bandwidth=32 * GIGA,
         memory_bytes=24 * GIB,
+        host_link="PCIe 4.0 x16",
     ),
 }
