@@ -12,6 +12,8 @@ from functools import cached_property
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_fission import SEED, assert_runs_like_eager, in_float64
 from torch import nn
 
@@ -304,3 +306,68 @@ def test_swap_on_cuda_streams_runs_like_eager_and_lowers_the_measured_peak():
         assert max_relative_error(step.reference, {**result.gradients, "<loss>": result.loss}) <= 1e-4
     assert meter.offloaded_bytes >= swapped.host_peak
     assert peaks[0] - peaks[1] >= 0.5 * (simulated - swapped.peak), (peaks, simulated, swapped.peak)
+
+
+class RandomProgram(nn.Module):
+    """A random DAG of operators over a batch of vectors: ``program`` lists (operator, first
+    input, second input), inputs picked among the earlier values (modulo their number)."""
+
+    def __init__(self, program: list[tuple[str, int, int]], width: int = 8) -> None:
+        super().__init__()
+        self.program = program
+        self.linears = nn.ModuleList(nn.Linear(width, width) for op, _, _ in program if op == "linear")
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values, linears = [x], iter(self.linears)
+        for op, i, j in self.program:
+            a, b = values[i % len(values)], values[j % len(values)]
+            if op == "linear":
+                y = next(linears)(a)
+            elif op == "add":
+                y = a + b
+            elif op == "mul":
+                y = a * b
+            elif op == "dropout":
+                y = nn.functional.dropout(a, 0.3, training=True)
+            elif op == "layer_norm":
+                y = self.norm(a)
+            elif op == "softmax":
+                y = a.softmax(-1)
+            else:
+                y = getattr(nn.functional, op)(a)
+            values.append(y)
+        return sum(v.square().mean() for v in [values[1], *values[-3:]])  # the first linear counts
+
+
+RANDOM_OPS = ("linear", "gelu", "relu", "tanh", "add", "mul", "dropout", "layer_norm", "softmax")
+RULES = {
+    "remat": remat,
+    "remat_heavy": lambda graph: remat(graph, heavy=True),
+    "swap": swap,
+    "compact": compact,
+    "de_remat": de_remat,
+    "de_swap": de_swap,
+}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    program=st.lists(
+        st.tuples(st.sampled_from(RANDOM_OPS), st.integers(0, 30), st.integers(0, 30)), min_size=3, max_size=9
+    ),
+    steps=st.lists(st.tuples(st.sampled_from(sorted(RULES)), st.integers(0, 99)), min_size=1, max_size=6),
+)
+def test_random_steps_under_random_rule_sequences_compute_what_eager_does(program, steps):
+    """Random DAGs (dropout live), then a random sequence of the rules, each taking one of its
+    candidates: the graph stays a valid schedule and runs like eager, measured = simulated."""
+    torch.manual_seed(0)
+    model = RandomProgram([("linear", 0, 0), *program]).double()
+    step = step_of(Built(model, (torch.randn(64, 8, dtype=torch.float64),)))
+    graph = step.graph
+    for rule, pick in steps:
+        candidates = RULES[rule](graph)
+        if candidates:
+            graph = candidates[pick % len(candidates)].graph
+    assert [n.name for n in graph.nodes if n.random] == [n.name for n in step.graph.nodes if n.random]
+    assert_runs_like_eager(step, graph, tuple(n.name for n in graph.nodes))
