@@ -80,6 +80,8 @@ def why_not_recomputable(graph: Graph, name: str, heavy: bool = False) -> str | 
     if node.target is operator.getitem:
         producer = graph[node.inputs[0]]
         if producer.target is aten.native_dropout.default and node.args[1] == 0:
+            if len(producer.args) < 3 or producer.args[2] is not True or not 0.0 <= float(producer.args[1]) < 1.0:
+                return "the dropout is not a training-mode dropout with 0 <= p < 1 (its output is no mask product)"
             return None if _mask_of(graph, producer.name) else "the dropout's mask is not kept in the graph"
         return why_not_recomputable(graph, producer.name, heavy)
     if node.random:
