@@ -112,6 +112,7 @@ class TransferStreams:
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
             result.copy_(host, non_blocking=True)
+        result.record_stream(self.side)  # written there: never reused before the copy is done
         return result
 
     def run(self, name: str, transfer: Store | Load, value: torch.Tensor) -> torch.Tensor:
