@@ -24,7 +24,14 @@ from magis.ir.graph import Graph, GraphError, Node
 @dataclass(frozen=True)
 class Rewrite:
     """One candidate of a rule: ``graph`` (its nodes listed in ``order``), what was done, what
-    changed, and the bytes the rule estimates it saves at the peak (0 for the dual rules)."""
+    changed, and the bytes the rule estimates it saves at the peak (0 for the dual rules).
+
+    ``touched`` holds the nodes added, removed or re-wired (whose inputs changed), for
+    incremental scheduling; ``order`` is a valid schedule whose peak the rule checked. A
+    swap's Store sits next to a tensor made early and its Load next to a reader late in
+    the step, so an interval rescheduled around the touched nodes may place the Store
+    late and lose the saving: keep ``order`` as the fallback (it is never worse).
+    """
 
     graph: Graph
     description: str
