@@ -8,6 +8,10 @@ which were freed). The figure at op i is the memory live while op i has just run
 its inputs, its output and everything else still held — the M_i of MAGIS §2.1.
 Resident tensors (parameters, buffers, inputs) are registered up front, as
 ``torch.cuda.max_memory_allocated`` would count them.
+
+Tensors swapped out to host memory (a swap's Store, MAGIS §5.2) are held in
+:data:`HOST_POOL`, never counted as device memory: both meters report the pool's peak
+apart, as ``offloaded_bytes``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,33 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+class HostPool:
+    """Host memory holding swapped-out tensors: the bytes still alive, and their peak."""
+
+    def __init__(self) -> None:
+        self._live: dict[StorageWeakRef, int] = {}
+        self.peak_bytes = 0
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage until it is freed."""
+        storage = tensor.untyped_storage()
+        self._live[StorageWeakRef(storage)] = int(storage.nbytes())
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    @property
+    def live_bytes(self) -> int:
+        for ref in [ref for ref in self._live if ref.expired()]:
+            del self._live[ref]
+        return sum(self._live.values())
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+
+#: where Store puts what it swaps out (one per process, as host memory is)
+HOST_POOL = HostPool()
 
 
 @dataclass
@@ -43,6 +74,15 @@ class LiveTensorMeter(TorchDispatchMode):
         for t in resident:
             self._register(t)
         self.peak_bytes = self._total
+        self.offloaded_bytes = 0  # peak of host memory holding swapped-out tensors
+
+    def __enter__(self) -> LiveTensorMeter:
+        HOST_POOL.reset_peak()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.offloaded_bytes = HOST_POOL.peak_bytes
 
     def _register(self, t: Any) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -85,15 +125,18 @@ class CudaPeakMeter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.peak_bytes = 0
+        self.offloaded_bytes = 0  # peak of pinned host memory holding swapped-out tensors
 
     def __enter__(self) -> CudaPeakMeter:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        HOST_POOL.reset_peak()
         return self
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.synchronize(self.device)
         self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        self.offloaded_bytes = HOST_POOL.peak_bytes
 
 
 def peak_meter(model: torch.nn.Module, inputs: Iterable[Any]) -> LiveTensorMeter | CudaPeakMeter:

@@ -2,7 +2,9 @@
 
 The interpreter runs the nodes in the schedule's order and drops its reference to
 every value right after the value's last reader ran, so memory follows the
-simulator's timeline (:mod:`magis.cost.memory`). Parameters, buffers and inputs
+simulator's timeline (:mod:`magis.cost.memory`). Swap transfers (Store and Load,
+:mod:`magis.backend.transfer`) run on a side stream on CUDA, each reader of a
+loaded tensor waiting for its copy; on a CPU they run in place. Parameters, buffers and inputs
 are bound by name from the user's module; the step returns the loss, every
 parameter gradient and the new buffer values (which it can write back, as an
 eager step mutates BatchNorm statistics in place).
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 
+from magis.backend.transfer import Load, Store, TransferStreams
+from magis.cost.profiler import is_view
 from magis.ir.graph import Graph, Ref, map_refs
 
 
@@ -25,13 +29,15 @@ class RuntimeBindError(ValueError):
 
 @dataclass(frozen=True)
 class Instruction:
-    """One step: run ``node`` then forget the values in ``free``."""
+    """One step: run ``node`` then forget the values in ``free``; on CUDA, first wait for
+    the copies of the Loads in ``waits`` (whose tensors the node reads)."""
 
     node: str
     fn: Callable[..., Any]
     args: tuple
     kwargs: dict[str, Any]
     free: tuple[str, ...]
+    waits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,11 @@ class Program:
     graph: Graph
     order: tuple[str, ...]
     instructions: tuple[Instruction, ...]
+
+    @property
+    def swaps(self) -> bool:
+        """Whether the program moves tensors to and from host memory."""
+        return any(isinstance(ins.fn, (Store, Load)) for ins in self.instructions)
 
 
 @dataclass
@@ -67,12 +78,18 @@ def lower(graph: Graph, order: Sequence[str] | None = None) -> Program:
         if name in keep:
             continue
         frees.setdefault(last_use.get(name, pos[name]), []).append(name)
+    loads = {n.name for n in graph.nodes if isinstance(n.target, Load)}
     instructions = []
     for i, name in enumerate(order):
         node = graph[name]
         if node.is_input:
             continue
-        instructions.append(Instruction(name, node.target, node.args, dict(node.kwargs), tuple(frees.get(i, ()))))
+        waits = ()
+        if loads and not is_view(node):  # a view launches nothing: its readers wait instead
+            waits = tuple(sorted({k[0] for p in node.inputs for k in graph.storages[p] if k and k[0] in loads}))
+        instructions.append(
+            Instruction(name, node.target, node.args, dict(node.kwargs), tuple(frees.get(i, ())), waits)
+        )
     return Program(graph, order, tuple(instructions))
 
 
@@ -109,15 +126,32 @@ def execute(program: Program, env: dict[str, Any]) -> dict[str, Any]:
     def value(ref: Ref) -> Any:
         return env[ref.name]
 
+    streams = _transfer_streams(program, env)
     with torch.no_grad():
         for ins in program.instructions:
             args = map_refs(ins.args, value)
             kwargs = map_refs(ins.kwargs, value) if ins.kwargs else {}
-            env[ins.node] = ins.fn(*args, **kwargs)
+            if streams is None:
+                env[ins.node] = ins.fn(*args, **kwargs)
+            elif isinstance(ins.fn, (Store, Load)):
+                env[ins.node] = streams.run(ins.node, ins.fn, *args)
+            else:
+                streams.wait_for(ins.waits)
+                env[ins.node] = ins.fn(*args, **kwargs)
             del args, kwargs
             for name in ins.free:
                 del env[name]
+        if streams is not None:
+            streams.finish()
     return env
+
+
+def _transfer_streams(program: Program, env: dict[str, Any]) -> TransferStreams | None:
+    """A side stream for the swaps of a program that runs on CUDA, else ``None``."""
+    if not program.swaps:
+        return None
+    device = next((v.device for v in env.values() if isinstance(v, torch.Tensor) and v.is_cuda), None)
+    return None if device is None else TransferStreams(device)
 
 
 def run_step(

@@ -154,6 +154,7 @@ class DeviceProfile:
     compute_efficiency: float = GEMM_EFFICIENCY
     bandwidth_efficiency: float = STREAM_EFFICIENCY
     host_link_efficiency: float = HOST_LINK_EFFICIENCY
+    host_link: str = ""  # what connects it to host memory (swapping), e.g. "PCIe 5.0 x16"
     sm_count: int = 0  # streaming multiprocessors; 0: not a GPU
     gemm_tiles: tuple[tuple[int, int, float], ...] = field(default=CUBLAS_TILES, hash=False)
     split_k: tuple[int, ...] = field(default=SPLIT_K, hash=False)
@@ -209,6 +210,7 @@ def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
         memory_bandwidth=bandwidth_tb_s * TERA,
         host_link_bandwidth=64 * GIGA,
         memory_bytes=memory_gib * GIB,
+        host_link="PCIe 5.0 x16",
     )
 
 
@@ -228,6 +230,7 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
         memory_bandwidth=2039 * GIGA,
         host_link_bandwidth=32 * GIGA,
         memory_bytes=80 * GIB,
+        host_link="PCIe 4.0 x16",
     ),
     "rtx3090": _gpu(
         "rtx3090",
@@ -241,5 +244,6 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
         memory_bandwidth=936 * GIGA,
         host_link_bandwidth=32 * GIGA,
         memory_bytes=24 * GIB,
+        host_link="PCIe 4.0 x16",
     ),
 }

@@ -77,9 +77,8 @@ class CostModel(Protocol):
 class LatencyProfile:
     """The simulated timeline of one schedule.
 
-    Steps run one after another on a single stream (``streams`` is all zeros); the
-    fields are per step, aligned with ``order``, so that swap transfers on a second
-    stream can later overlap with compute.
+    Compute steps run one after another on stream 0; swap transfers on stream 1
+    overlap with them. The fields are per step, aligned with ``order``.
     """
 
     order: tuple[str, ...]
@@ -90,11 +89,28 @@ class LatencyProfile:
 
 
 def estimate_latency(graph: Graph, order: Sequence[str], model: CostModel) -> LatencyProfile:
-    """Simulate running ``graph`` in ``order``, each step starting when the previous one ends."""
+    """Simulate running ``graph`` in ``order``, each step starting when the previous one ends.
+
+    Swap transfers (targets with ``stream = 1``, MAGIS §5.2 Store/Load) run on a second
+    stream: each starts once the compute issued before it and the previous transfer are
+    done, a compute step that reads a transfer's result waits for it, and the step takes
+    as long as both streams together (what compute does not hide is paid).
+    """
     graph.check_schedule(order)
     per_node = tuple(model.node_seconds(graph, name) for name in order)
-    start = tuple(itertools.accumulate(per_node, initial=0.0))
-    return LatencyProfile(tuple(order), per_node, start[:-1], (0,) * len(order), start[-1])
+    streams = tuple(int(getattr(graph[name].target, "stream", 0)) for name in order)
+    if not any(streams):
+        start = tuple(itertools.accumulate(per_node, initial=0.0))
+        return LatencyProfile(tuple(order), per_node, start[:-1], streams, start[-1])
+    free = [0.0, 0.0]  # when each stream runs out of work
+    end: dict[str, float] = {}
+    starts = []
+    for name, seconds, stream in zip(order, per_node, streams):
+        ready = max((end[p] for p in graph.predecessors[name]), default=0.0)
+        begin = max(free[stream], ready, free[0])
+        end[name] = free[stream] = begin + seconds
+        starts.append(begin)
+    return LatencyProfile(tuple(order), per_node, tuple(starts), streams, max(free))
 
 
 # -------------------------------------------------------------- node work
@@ -350,6 +366,14 @@ class ProfiledCostModel:
         finally:
             bar.close()
             self.cache.save()
+
+
+def has_device_memory(model: CostModel) -> bool:
+    """Whether ``model`` prices a device whose memory is not host memory (a GPU, measured
+    or profiled): only there does swapping to host memory free anything."""
+    if isinstance(model, ProfiledCostModel):
+        return model.device.type == "cuda"
+    return isinstance(model, AnalyticCostModel) and model.profile.sm_count > 0
 
 
 def cost_model(device: str | None = None) -> CostModel:

@@ -7,10 +7,15 @@ memory M_i is the bytes of all storages live at step i, plus the transient
 workspace of v_i (a fissioned region's internal peak, for instance); the peak is
 max_i M_i, and the memory hot-spots are the storages live at a step whose M_i is
 the peak.
+
+Swapping (MAGIS §5.2): a storage a Store copies to host memory is no longer device
+memory once the Store ran (its last device reader, as the simulator counts), and a
+Load makes a new device storage; the host copies count apart (``host_peak``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +34,7 @@ class MemoryProfile:
     peak_steps: tuple[int, ...]  # every step whose M_i is the peak
     hotspots: frozenset[StorageKey]  # storages live at a peak step
     persistent_bytes: int
+    host_peak: int = 0  # most bytes held in host memory (swapped out) at one step
 
     @property
     def hotspot_nodes(self) -> frozenset[str]:
@@ -82,7 +88,13 @@ def simulate_memory(graph: Graph, order: Sequence[str]) -> MemoryProfile:
     peak = max(timeline, default=0)
     peak_steps = tuple(i for i, m in enumerate(timeline) if m == peak)
     hot = frozenset(k for k, (s, e) in span.items() if any(s <= i <= e for i in peak_steps))
-    return MemoryProfile(tuple(order), tuple(timeline), peak, peak_steps, hot, persistent)
+    host = [0] * (n + 1)
+    for key, nbytes in graph.host_storage_bytes.items():
+        start, end = span[key]
+        host[start] += nbytes
+        host[end + 1] -= nbytes
+    host_peak = max(itertools.accumulate(host[:n]), default=0)
+    return MemoryProfile(tuple(order), tuple(timeline), peak, peak_steps, hot, persistent, host_peak)
 
 
 def peak_memory(graph: Graph, order: Sequence[str]) -> int:

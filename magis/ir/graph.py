@@ -136,6 +136,11 @@ class Node:
         return dict(self.kwargs)
 
     @property
+    def on_host(self) -> bool:
+        """The output lives in host memory (a swap's Store, MAGIS §5.2), not on the device."""
+        return bool(getattr(self.target, "host_output", False))
+
+    @property
     def fresh_bytes(self) -> int:
         """Bytes this node allocates: the storages it owns (views allocate nothing)."""
         return sum(m.nbytes for m, a in zip(self.outputs, self.aliases) if m is not None and a is None)
@@ -282,13 +287,25 @@ class Graph:
 
     @cached_property
     def storage_bytes(self) -> dict[tuple[str, int], int]:
-        """Size of every storage, keyed by ``(owner, element)``."""
+        """Device bytes of every storage, keyed by ``(owner, element)``: 0 for a storage in
+        host memory (:attr:`Node.on_host`), whose size :attr:`host_storage_bytes` gives."""
         sizes: dict[tuple[str, int], int] = {}
         for n in self.nodes:
             for e, (m, alias) in enumerate(zip(n.outputs, n.aliases)):
                 if m is not None and alias is None:
-                    sizes[(n.name, e)] = m.nbytes
+                    sizes[(n.name, e)] = 0 if n.on_host else m.nbytes
         return sizes
+
+    @cached_property
+    def host_storage_bytes(self) -> dict[tuple[str, int], int]:
+        """Size of every storage held in host memory (swapped out), keyed by ``(owner, element)``."""
+        return {
+            (n.name, e): m.nbytes
+            for n in self.nodes
+            if n.on_host
+            for e, (m, alias) in enumerate(zip(n.outputs, n.aliases))
+            if m is not None and alias is None
+        }
 
     # -------------------------------------------------------------- structure
     def is_schedule(self, order: Sequence[str]) -> bool:

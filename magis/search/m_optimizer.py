@@ -44,14 +44,14 @@ from tqdm import tqdm
 
 from magis.analysis.ftrans import InvalidFission
 from magis.analysis.ftree import DEFAULT_LEVELS, FTree, next_divisor, update_ftree
-from magis.cost.latency import CostModel
+from magis.cost.latency import CostModel, has_device_memory
 from magis.cost.memory import peak_memory, simulate_memory
 from magis.ir.graph import Graph
 from magis.rules.ftree_mutation import apply_ftree, consistent
 from magis.rules.rewrite import Rewrite
 from magis.schedule import incremental_schedule, schedule
 from magis.search.graph_hash import wl_hash
-from magis.search.registry import MRule, rules
+from magis.search.registry import DEVICE_ONLY_RULES, MRule, rules
 from magis.search.single_fission import separable_step
 from magis.search.state import EMPTY_TREE, MState, Step, changed_nodes, simulate_state
 
@@ -145,8 +145,12 @@ def m_optimize(
     levels: int = DEFAULT_LEVELS,
     progress: bool = True,
 ) -> SearchResult:
-    """Algorithm 3 on the captured step ``graph`` (module docstring)."""
-    return _Search(objective, cost_model, rules(rule_names), levels, time_budget, max_states, progress).run(graph)
+    """Algorithm 3 on the captured step ``graph`` (module docstring). By default every
+    registered rule takes part, but swapping only on a device with memory of its own."""
+    active = rules(rule_names)
+    if rule_names is None and not has_device_memory(cost_model):
+        active = tuple(r for r in active if r.name not in DEVICE_ONLY_RULES)
+    return _Search(objective, cost_model, active, levels, time_budget, max_states, progress).run(graph)
 
 
 @dataclass(frozen=True)
@@ -273,11 +277,13 @@ class _Search:
                     if mutation is not None:
                         yield mutation
                 continue
-            for rewrite in self._rewrites_of(rule, state.base):
-                touched = changed_nodes(state.base, rewrite.graph)
+            for rewrite in self._rewrites_of(rule, state.base, state.base_order):
+                touched = rewrite.touched or changed_nodes(state.base, rewrite.graph)
                 base_order = tuple(
                     incremental_schedule(state.base, state.base_order, rewrite.graph, touched, INCREMENTAL_S)
                 )
+                if rewrite.order:  # the rule's own placement is valid and never above the old peak
+                    base_order = min((rewrite.order, base_order), key=lambda o: peak_memory(rewrite.graph, o))
                 profile = simulate_memory(rewrite.graph, base_order)
                 tree = update_ftree(state.tree, rewrite.graph, profile, touched, self.levels)
                 if not consistent(tree):
@@ -287,11 +293,12 @@ class _Search:
                 if mutation is not None:
                     yield mutation
 
-    def _rewrites_of(self, rule: MRule, base: Graph) -> list[Rewrite]:
-        """A graph rule's rewrites of ``base``, found once per graph (F-Tree rules keep the base)."""
+    def _rewrites_of(self, rule: MRule, base: Graph, order: tuple[str, ...]) -> list[Rewrite]:
+        """A graph rule's rewrites of ``base`` in ``order``, found once per graph (F-Tree rules
+        keep the base and its order)."""
         found = self._rewrites.setdefault(base, {})
         if rule.name not in found:
-            found[rule.name] = rule.rewrites(base)
+            found[rule.name] = rule.rewrites(base, order)
         return found[rule.name]
 
     def _applied(self, base: Graph, base_order: tuple[str, ...], tree: FTree, step: Step) -> _Mutation | None:

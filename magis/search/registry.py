@@ -27,27 +27,32 @@ from typing import Literal
 
 from magis.analysis.ftree import FTree
 from magis.ir.graph import Graph
-from magis.rules import algebraic, ftree_mutation, identity
+from magis.rules import algebraic, compact, ftree_mutation, identity, remat, swap
 from magis.rules.rewrite import Rewrite
 
 TreeRule = Callable[[FTree], list[FTree]]
-GraphRule = Callable[[Graph], Sequence[Rewrite | tuple[Graph, str]]]
+GraphRule = Callable[..., Sequence[Rewrite | tuple[Graph, str]]]
 
 
 @dataclass(frozen=True)
 class MRule:
-    """A registered rule: its name (shown in plans' reports), kind and function."""
+    """A registered rule: its name (shown in plans' reports), kind and function.
+
+    A graph rule is ``fn(graph)``, or ``fn(graph, order)`` when ``scheduled`` (the
+    scheduling-based rules of MAGIS §5.2 act around the hot-spots of a schedule)."""
 
     name: str
     kind: Literal["ftree", "graph"]
     fn: TreeRule | GraphRule
+    scheduled: bool = False
 
-    def rewrites(self, graph: Graph) -> list[Rewrite]:
+    def rewrites(self, graph: Graph, order: Sequence[str]) -> list[Rewrite]:
         """A graph rule's results as :class:`Rewrite` values (from pairs, or from any value
         with ``graph`` and ``description`` attributes)."""
+        found = self.fn(graph, order) if self.scheduled else self.fn(graph)  # type: ignore[call-arg]
         return [
-            Rewrite(*found) if isinstance(found, tuple) else Rewrite(found.graph, found.description)
-            for found in self.fn(graph)  # type: ignore[arg-type]
+            r if isinstance(r, Rewrite) else Rewrite(*r) if isinstance(r, tuple) else Rewrite(r.graph, r.description)
+            for r in found
         ]
 
 
@@ -60,9 +65,10 @@ def register_ftree_rule(name: str, fn: TreeRule) -> MRule:
     return _register(MRule(name, "ftree", fn))
 
 
-def register_graph_rule(name: str, fn: GraphRule) -> MRule:
-    """Register a graph rule ``Graph -> list[Rewrite | (graph, description)]`` under ``name``."""
-    return _register(MRule(name, "graph", fn))
+def register_graph_rule(name: str, fn: GraphRule, scheduled: bool = False) -> MRule:
+    """Register a graph rule ``Graph -> list[Rewrite | (graph, description)]`` under ``name``
+    (``(Graph, order) -> ...`` when ``scheduled``)."""
+    return _register(MRule(name, "graph", fn, scheduled))
 
 
 def _register(rule: MRule) -> MRule:
@@ -90,3 +96,11 @@ register_graph_rule("concat-conv", identity.concat_conv_rewrites)
 register_graph_rule("concat-depthwise", identity.concat_depthwise_rewrites)
 register_graph_rule("merge-matmuls", algebraic.merge_rewrites)
 register_graph_rule("split-matmuls", algebraic.split_rewrites)
+register_graph_rule("remat", remat.remat, scheduled=True)
+register_graph_rule("de-remat", remat.de_remat, scheduled=True)
+register_graph_rule("compact", compact.compact, scheduled=True)
+register_graph_rule("swap", swap.swap, scheduled=True)
+register_graph_rule("de-swap", swap.de_swap, scheduled=True)
+
+#: rules that only pay off where device memory is not host memory (a GPU)
+DEVICE_ONLY_RULES = frozenset({"swap", "de-swap"})

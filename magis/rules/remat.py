@@ -1,0 +1,325 @@
+"""Re-materialization and de-re-materialization as graph rules (MAGIS §5.2, Figure 8a-d).
+
+- :func:`remat`: for a tensor A saved past the peak (a hot-spot read after the last
+  peak step, :func:`~magis.rules.rewrite.saved_tensors`), the readers after the
+  peak get their own recomputed copy A', placed right before the first of them. Where
+  an input of A is freed by then, it is recomputed too (a short chain, at most
+  ``max_ops`` operators) rather than kept alive; inputs still alive then, or that
+  cannot be recomputed, are read as they are.
+- :func:`de_remat`: two nodes with the same operator and the same inputs become one
+  (and so, in turn, do the readers that then coincide): the dual rule.
+
+Echo's footprint estimate (Echo §IV-A) decides whether a recomputation is proposed:
+the bytes it frees at each peak step (the saved tensor no longer lives there) against
+the bytes it newly keeps alive there (inputs of the copies that would have died
+before it); only a net saving at the peak, with no peak step growing, is proposed.
+Cheap operators are recomputed (pointwise ops, activations, normalisations,
+softmax, views); matrix products and convolutions only with ``heavy=True``
+(Echo §IV-B notes their gradients need only their inputs, so recomputing them is
+the costly choice).
+
+Random numbers are never drawn again (DESIGN.md): a random op is never copied. The
+output of a dropout is recomputed from the mask it saved, ``input * mask * scale``
+(``native_dropout_backward``, the very formula of the op), so the copy is bit for bit
+the first execution's value.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from magis.cost.latency import node_flops
+from magis.cost.profiler import is_view
+from magis.ir.graph import Graph, Node, Ref, Role, map_refs
+from magis.rules.rewrite import (
+    Rewrite,
+    SavedTensor,
+    Timeline,
+    insert_before,
+    kept_alive,
+    net_saving,
+    prune_dead,
+    rebuild,
+    reordered,
+    saved_tensors,
+)
+
+aten = torch.ops.aten
+
+#: cheap operators that are not tagged pointwise: normalisations and softmax (bandwidth bound)
+CHEAP_OPS = frozenset(
+    {
+        aten.native_layer_norm.default,
+        aten.native_batch_norm.default,
+        aten._native_batch_norm_legit_functional.default,
+        aten._native_batch_norm_legit_no_training.default,
+        aten._softmax.default,
+        aten._log_softmax.default,
+        aten._safe_softmax.default,
+    }
+)
+MAX_OPS = 4  # operators one recomputation may copy (views and getitem not counted)
+
+
+class RematError(ValueError):
+    """A node that cannot be recomputed; the message says why."""
+
+
+def why_not_recomputable(graph: Graph, name: str, heavy: bool = False) -> str | None:
+    """``None`` when node ``name`` can be recomputed exactly, else the reason it cannot.
+
+    A dropout's output (``getitem`` 0 of ``native_dropout``) can, from its saved mask.
+    """
+    node = graph[name]
+    if node.is_input:
+        return "it is an input of the step"
+    if node.target is operator.getitem:
+        producer = graph[node.inputs[0]]
+        if producer.target is aten.native_dropout.default and node.args[1] == 0:
+            if len(producer.args) < 3 or producer.args[2] is not True or not 0.0 <= float(producer.args[1]) < 1.0:
+                return "the dropout is not a training-mode dropout with 0 <= p < 1 (its output is no mask product)"
+            return None if _mask_of(graph, producer.name) else "the dropout's mask is not kept in the graph"
+        return why_not_recomputable(graph, producer.name, heavy)
+    if node.random:
+        return f"{node.op_name} is random: its numbers are never drawn again"
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return f"{node.op_name} is not an aten operator"
+    if node.target._schema.is_mutable:
+        return f"{node.op_name} has side effects (it writes into an input)"
+    if is_view(node) or torch.Tag.pointwise in node.target.tags or node.target in CHEAP_OPS:
+        return None
+    if node_flops(graph, name) > 0:
+        return None if heavy else f"{node.op_name} is compute-heavy: recompute it only with heavy=True"
+    return f"{node.op_name} is not among the operators recomputed (pointwise, normalisation, softmax, views)"
+
+
+def _is_dropout_output(graph: Graph, node: Node) -> bool:
+    return node.target is operator.getitem and graph[node.inputs[0]].target is aten.native_dropout.default
+
+
+def _mask_of(graph: Graph, dropout: str) -> str | None:
+    """The ``getitem`` node holding a dropout's mask, if the graph keeps one."""
+    return next(
+        (c for c in graph.consumers[dropout] if graph[c].target is operator.getitem and graph[c].args[1] == 1), None
+    )
+
+
+@dataclass
+class Segment:
+    """The copies one recomputation makes, in topological order."""
+
+    nodes: list[Node] = field(default_factory=list)
+    copy_of: dict[str, str] = field(default_factory=dict)  # original -> copy
+    reads: set[str] = field(default_factory=set)  # originals the copies read
+    ops: int = 0
+
+
+@dataclass
+class _Recompute:
+    graph: Graph
+    timeline: Timeline
+    until: int  # the copies run right before this step of the old schedule
+    forced: frozenset[str]  # nodes that must be copied (they carry the storage to free)
+    heavy: bool
+    max_ops: int
+    segment: Segment = field(default_factory=Segment)
+    taken: set[str] = field(default_factory=set)
+
+    def copy(self, name: str) -> str:
+        """The copy of ``name`` (made on first request, its inputs first)."""
+        if name in self.segment.copy_of:
+            return self.segment.copy_of[name]
+        reason = why_not_recomputable(self.graph, name, self.heavy)
+        if reason is not None:
+            raise RematError(f"cannot recompute {name}: {reason}")
+        node = self.graph[name]
+        if _is_dropout_output(self.graph, node):
+            made = self._dropout_output(node)
+        else:
+            if not is_view(node):
+                self.segment.ops += 1
+            args, kwargs = map_refs((node.args, node.kwargs), self._input)
+            made = replace(node, name=self._fresh(name), args=args, kwargs=kwargs, role=Role.BACKWARD)
+        self.segment.nodes.append(made)
+        self.segment.copy_of[name] = made.name
+        return made.name
+
+    def _dropout_output(self, item: Node) -> Node:
+        """``input * mask * scale`` from the dropout's saved mask: the output of its first run."""
+        dropout = self.graph[item.inputs[0]]
+        x, p = dropout.args[0], float(dropout.args[1])
+        self.segment.ops += 1
+        mask = _mask_of(self.graph, dropout.name)
+        self.segment.reads.add(mask)
+        return Node(
+            self._fresh(item.name),
+            aten.native_dropout_backward.default,
+            (self._input(x), Ref(mask), 1.0 / (1.0 - p)),
+            outputs=item.outputs,
+            aliases=(None,),
+            role=Role.BACKWARD,
+        )
+
+    def _input(self, ref: Ref) -> Ref:
+        """Read input ``ref`` as it is, or its copy when it is gone by then and can be recomputed."""
+        name = ref.name
+        if name in self.forced or (self._gone(name) and self._worth_copying(name)):
+            return Ref(self.copy(name))
+        self.segment.reads.add(name)
+        return ref
+
+    def _gone(self, name: str) -> bool:
+        """Every storage of ``name`` is freed before the copies run."""
+        keys = [k for k in self.graph.storages[name] if k is not None]
+        return bool(keys) and all(
+            not self.graph[k[0]].role.persistent and self.timeline.span[k][1] < self.until for k in keys
+        )
+
+    def _worth_copying(self, name: str) -> bool:
+        """Recomputable, along its views down to what owns its storage, within the operator budget."""
+        node = self.graph[name]
+        if why_not_recomputable(self.graph, name, self.heavy) is not None:
+            return False
+        if _is_dropout_output(self.graph, node):
+            return self.segment.ops < self.max_ops
+        if node.target is operator.getitem or is_view(node):
+            return all(self._worth_copying(p) or not self._gone(p) for p in node.inputs)
+        return self.segment.ops < self.max_ops
+
+    def _fresh(self, name: str) -> str:
+        i = 0
+        while (fresh := f"{name}_remat{i}") in self.graph or fresh in self.taken:
+            i += 1
+        self.taken.add(fresh)
+        return fresh
+
+
+def plan_recompute(
+    graph: Graph, saved: SavedTensor, timeline: Timeline, heavy: bool = False, max_ops: int = MAX_OPS
+) -> Segment:
+    """The copies that give the readers of ``saved`` after the peak their own value; raises
+    :class:`RematError` when the saved tensor cannot be recomputed."""
+    work = _Recompute(graph, timeline, saved.first_late, frozenset(saved.carriers), heavy, max_ops)
+    for carriers in saved.late.values():
+        for carrier in carriers:
+            work.copy(carrier)
+    return work.segment
+
+
+def recompute(
+    graph: Graph, saved: SavedTensor, timeline: Timeline, heavy: bool = False, max_ops: int = MAX_OPS
+) -> tuple[Graph, Segment]:
+    """The readers of ``saved`` after the peak read recomputed copies, placed right before
+    the first of them (MAGIS §5.2 Re-materialization); raises :class:`RematError` when the
+    saved tensor cannot be recomputed."""
+    segment = plan_recompute(graph, saved, timeline, heavy, max_ops)
+    return with_copies(graph, saved, timeline, segment), segment
+
+
+def with_copies(graph: Graph, saved: SavedTensor, timeline: Timeline, segment: Segment) -> Graph:
+    """``graph`` with ``segment``'s copies placed right before the first late reader of
+    ``saved``, those readers reading the copies, and what no longer has readers removed."""
+
+    def to_copy(ref: Ref) -> Ref:
+        return Ref(segment.copy_of.get(ref.name, ref.name))
+
+    readers = [
+        replace(graph[r], args=map_refs(graph[r].args, to_copy), kwargs=map_refs(graph[r].kwargs, to_copy))
+        for r in saved.late
+    ]
+    order = insert_before(timeline.order, [n.name for n in segment.nodes], timeline.order[saved.first_late])
+    return prune_dead(rebuild(graph, order, [*segment.nodes, *readers]), saved.carriers)
+
+
+def remat(
+    graph: Graph, order: Sequence[str] | None = None, heavy: bool = False, max_ops: int = MAX_OPS
+) -> list[Rewrite]:
+    """Re-materialization candidates around the memory hot-spots of ``order`` (MAGIS §5.2),
+    each a net saving at the peak by Echo's estimate (Echo §IV-A) that raises no other step
+    above the peak."""
+    timeline = Timeline.of(graph, order)
+    found = []
+    for saved in saved_tensors(graph, timeline):
+        try:
+            segment = plan_recompute(graph, saved, timeline, heavy, max_ops)
+        except RematError:
+            continue
+        saving = net_saving(timeline, saved.freed, kept_alive(graph, timeline, segment.reads, saved.first_late))
+        if saving is None:
+            continue
+        result = with_copies(graph, saved, timeline, segment)
+        if not timeline.not_raised_by(result):
+            continue
+        owner = saved.storage[0]
+        description = (
+            f"remat {owner} ({graph[owner].op_name}) for {len(saved.late)} reader(s) after the peak: "
+            f"{segment.ops} op(s) recomputed, {saving} bytes saved at the peak"
+        )
+        touched = {n.name for n in segment.nodes} | set(saved.late) | (set(graph.index) - set(result.index))
+        found.append(Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), saving))
+    return found
+
+
+def _key(graph: Graph, node: Node) -> str:
+    """What a node computes: operator and arguments. A dropout applied again from its saved
+    mask (``native_dropout_backward(x, mask, scale)``) computes the dropout's own output."""
+    if node.target is aten.native_dropout_backward.default:
+        x, mask, scale = node.args
+        dropout = graph[mask.name].args[0].name if graph[mask.name].target is operator.getitem else None
+        if (
+            dropout is not None
+            and graph[mask.name].args[1] == 1
+            and graph[dropout].target is aten.native_dropout.default
+            and graph[dropout].args[0] == x
+            and scale == 1.0 / (1.0 - float(graph[dropout].args[1]))
+        ):
+            return repr((operator.getitem, (Ref(dropout), 0), ()))
+    return repr((node.target, node.args, node.kwargs))
+
+
+def de_remat(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
+    """De-re-materialization candidates (MAGIS §5.2): every node that allocates memory and
+    computes what an earlier node computes (same operator, same inputs; never a random op)
+    is merged into it, and then every pair of readers that has become the same, and so on."""
+    order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
+    pos = {name: i for i, name in enumerate(order)}
+    first: dict[str, str] = {}
+    found = []
+    for name in order:
+        node = graph[name]
+        if node.is_input or node.random or node.on_host:
+            continue
+        keep = first.setdefault(_key(graph, node), name)
+        if keep == name or node.fresh_bytes == 0:
+            continue
+        merged, removed = _merge(graph, keep, name, pos)
+        new_order = tuple(n for n in order if n not in removed)
+        description = f"de-remat {name} into {keep} ({node.op_name}): {len(removed)} node(s) merged"
+        found.append(Rewrite(reordered(merged, new_order), description, new_order, frozenset(removed | {keep})))
+    return found
+
+
+def _merge(graph: Graph, keep: str, drop: str, pos: dict[str, int]) -> tuple[Graph, set[str]]:
+    """Merge ``drop`` into ``keep``, then every reader of ``keep`` that now computes what an
+    earlier node computes into that node, and so on."""
+    removed: set[str] = set()
+    todo = [(keep, drop)]
+    while todo:
+        keep, drop = todo.pop()
+        if keep not in graph or drop not in graph:
+            continue
+        graph = graph.replace([drop], rename={drop: keep})
+        removed.add(drop)
+        readers = set(graph.consumers[keep])
+        earliest: dict[str, str] = {}
+        for node in sorted(graph.nodes, key=lambda n: pos[n.name]):
+            if node.is_input or node.random:
+                continue
+            other = earliest.setdefault(_key(graph, node), node.name)
+            if other != node.name and node.name in readers:
+                todo.append((other, node.name))
+    return graph, removed

@@ -1,0 +1,138 @@
+"""Swapping and de-swapping as graph rules (MAGIS §5.2, Figure 8e-f).
+
+- :func:`swap`: a tensor saved past the peak (a hot-spot read after the last peak
+  step, :func:`~magis.rules.rewrite.saved_tensors`) is copied to host memory by a
+  Store right after it is made, and back by a Load before the first of its readers
+  after the peak; those readers (and the views they read, rebuilt on the loaded
+  tensor) read the loaded copy. The tensor leaves device memory once its Store and
+  its readers before the peak have run; the host copy counts apart
+  (:mod:`magis.cost.memory`). Proposed only where that frees bytes at the peak and no
+  step rises above it.
+- :func:`de_swap`: a Store and its Load go, their readers read the tensor itself again.
+
+Swapping re-executes nothing, so any tensor qualifies, random ones included; a loaded
+tensor is not swapped again. The Store/Load operators and how they run are in
+:mod:`magis.backend.transfer`; with a cost model, the candidate's Load is placed as
+late as still hides its transfer (:func:`magis.schedule.transfers.place_transfers`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import replace
+
+from magis.backend.transfer import Load, Store
+from magis.cost.latency import CostModel
+from magis.ir.graph import Graph, Node, Ref, Role, map_refs
+from magis.rules.rewrite import (
+    Rewrite,
+    SavedTensor,
+    Timeline,
+    insert_before,
+    net_saving,
+    prune_dead,
+    rebuild,
+    reordered,
+    saved_tensors,
+)
+from magis.schedule.transfers import place_transfers
+
+
+def swap(graph: Graph, order: Sequence[str] | None = None, model: CostModel | None = None) -> list[Rewrite]:
+    """Swapping candidates around the memory hot-spots of ``order`` (MAGIS §5.2); with
+    ``model``, each Load is placed to hide its transfer, else right before its reader."""
+    timeline = Timeline.of(graph, order)
+    found = []
+    for saved in saved_tensors(graph, timeline):
+        holder = _holder(graph, saved)
+        saving = net_saving(timeline, saved.freed, {})
+        if holder is None or saving is None:
+            continue
+        result = _swapped(graph, saved, timeline, holder)
+        if model is not None:
+            result = reordered(result, place_transfers(result, [n.name for n in result.nodes], model))
+        if not timeline.not_raised_by(result):
+            continue
+        description = (
+            f"swap {holder} ({saved.nbytes} bytes) out after it is made, in before "
+            f"{timeline.order[saved.first_late]}: {saving} bytes saved at the peak"
+        )
+        touched = (set(result.index) ^ set(graph.index)) | set(saved.late)
+        found.append(Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), saving))
+    return found
+
+
+def _holder(graph: Graph, saved: SavedTensor) -> str | None:
+    """The node whose value is the whole saved storage: its owner, or the ``getitem`` of
+    the owner's element. ``None`` for a loaded tensor (never swapped again) or an element
+    nothing reads whole."""
+    owner, element = saved.storage
+    node = graph[owner]
+    if isinstance(node.target, Load):
+        return None
+    if not node.tuple_output:
+        return owner
+    return next(
+        (
+            c
+            for c in saved.carriers
+            if graph[c].target is operator.getitem and graph[c].inputs[0] == owner and graph[c].args[1] == element
+        ),
+        None,
+    )
+
+
+def _swapped(graph: Graph, saved: SavedTensor, timeline: Timeline, holder: str) -> Graph:
+    meta = graph[holder].meta
+    nbytes = graph.storage_bytes[saved.storage]
+    role = graph[holder].role
+    store = Node(graph.fresh_name(f"{holder}_store"), Store(nbytes), (Ref(holder),), (), (meta,), (None,), role)
+    load_name = graph.fresh_name(f"{holder}_load")
+    load = Node(load_name, Load(nbytes), (Ref(store.name),), outputs=(meta,), aliases=(None,), role=Role.BACKWARD)
+    copies: dict[str, str] = {holder: load_name}
+    views: list[Node] = []
+
+    def onto_load(name: str) -> str:
+        """The view ``name`` of the saved storage, rebuilt on the loaded tensor."""
+        if name not in copies:
+            node = graph[name]
+            args, kwargs = map_refs(
+                (node.args, node.kwargs), lambda ref: Ref(onto_load(ref.name)) if ref.name in carriers else ref
+            )
+            copy = replace(node, name=graph.fresh_name(f"{name}_loaded"), args=args, kwargs=kwargs, role=Role.BACKWARD)
+            views.append(copy)
+            copies[name] = copy.name
+        return copies[name]
+
+    carriers = set(saved.carriers) - {saved.storage[0]} if graph[saved.storage[0]].tuple_output else set(saved.carriers)
+    for reads in saved.late.values():
+        for carrier in reads:
+            onto_load(carrier)
+
+    def to_load(ref: Ref) -> Ref:
+        return Ref(copies.get(ref.name, ref.name))
+
+    readers = [
+        replace(graph[r], args=map_refs(graph[r].args, to_load), kwargs=map_refs(graph[r].kwargs, to_load))
+        for r in saved.late
+    ]
+    order = list(timeline.order)
+    order.insert(order.index(holder) + 1, store.name)
+    order = insert_before(order, [load_name, *(v.name for v in views)], timeline.order[saved.first_late])
+    return prune_dead(rebuild(graph, order, [store, load, *views, *readers]), saved.carriers)
+
+
+def de_swap(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
+    """De-swapping candidates (MAGIS §5.2): each Store goes with its Loads, whose readers
+    read the stored tensor again."""
+    order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
+    found = []
+    for store in (n for n in order if isinstance(graph[n].target, Store)):
+        holder = graph[store].inputs[0]
+        loads = [c for c in graph.consumers[store] if isinstance(graph[c].target, Load)]
+        result = graph.replace([store, *loads], rename=dict.fromkeys(loads, holder))
+        new_order = tuple(n for n in order if n in result.index)
+        description = f"de-swap {holder}: its Store and {len(loads)} Load(s) removed"
+        found.append(Rewrite(reordered(result, new_order), description, new_order, frozenset([store, *loads, holder])))
+    return found
