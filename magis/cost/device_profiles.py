@@ -92,6 +92,16 @@ DRAM_LATENCY_S = 0.5e-6
 GEMM_EFFICIENCY = 0.65
 #: fraction of peak memory bandwidth a large streaming kernel reaches.
 STREAM_EFFICIENCY = 0.8
+#: throughput of a cuDNN convolution (forward or backward, fp32 tensors in NCHW, TF32
+#: math) relative to a GEMM of its implicit-GEMM shape. Measured on an H100 SXM with
+#: ``python bench/gpu_fidelity.py --preset paper`` (2026-11-22, torch 2.11): U-Net,
+#: U-Net++ and ResNet-50 convolutions ran 2.5-2.7x the GEMM model's time (layout
+#: transforms, im2col-style tiling, per-call heuristics). Applied to every GPU profile.
+CONV_EFFICIENCY = 0.45
+#: times the bytes of one pass that a training-mode batch norm streams (statistics, then
+#: normalisation; the backward reduces twice before it scales). Measured on an H100 SXM
+#: as above: 5.8x (forward) and 6.7x (backward) one pass's time at ResNet-50's sizes.
+BATCH_NORM_PASSES = 5.0
 #: fraction of the host link's bandwidth a large pinned copy reaches.
 HOST_LINK_EFFICIENCY = 0.8
 
@@ -160,6 +170,8 @@ class DeviceProfile:
     split_k: tuple[int, ...] = field(default=SPLIT_K, hash=False)
     min_kernel_s: float = 0.0  # shortest time a kernel occupies the device
     memory_latency_s: float = 0.0  # one device-memory load: the bandwidth ramp
+    conv_efficiency: float = 1.0  # a convolution's throughput relative to its implicit GEMM's
+    batch_norm_passes: float = 1.0  # passes over its bytes a training batch norm makes
 
     def flops_per_second(self, dtype: torch.dtype, tensor_core_fp32: bool = False) -> float:
         """Achievable FLOP/s for math in ``dtype``; ``tensor_core_fp32`` selects TF32 for fp32."""
@@ -193,6 +205,8 @@ def _gpu(
         sm_count=SM_COUNT[name],
         min_kernel_s=MIN_KERNEL_S,
         memory_latency_s=DRAM_LATENCY_S,
+        conv_efficiency=CONV_EFFICIENCY,
+        batch_norm_passes=BATCH_NORM_PASSES,
     )
 
 

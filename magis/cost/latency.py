@@ -246,12 +246,14 @@ class AnalyticCostModel:
         if is_free(node) or is_view(node):
             return 0.0
         profile = self.profile
-        memory_s = stream_seconds(profile, node_bytes(graph, name))
+        passes = profile.batch_norm_passes if "batch_norm" in node.op_name else 1.0
+        memory_s = stream_seconds(profile, int(passes * node_bytes(graph, name)))
         compute_s = 0.0
         gemms = node_gemms(graph, name)
         if gemms:
-            tf32 = self.tf32_conv if "conv" in node.op_name else self.tf32_matmul
-            rate = profile.flops_per_second(_compute_dtype(graph, node), tf32)
+            conv = "conv" in node.op_name
+            rate = profile.flops_per_second(_compute_dtype(graph, node), self.tf32_conv if conv else self.tf32_matmul)
+            rate *= profile.conv_efficiency if conv else 1.0
             compute_s = sum(gemm_seconds(profile, gemm, rate) for gemm in gemms)
         return kernel_seconds(profile, compute_s, memory_s)
 
