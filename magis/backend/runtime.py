@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from magis.backend.transfer import Load, Store, TransferStreams
-from magis.cost.profiler import is_view
-from magis.ir.graph import Graph, Ref, map_refs
+from magis.ir.graph import Graph, Ref, is_view, map_refs
 
 
 class RuntimeBindError(ValueError):

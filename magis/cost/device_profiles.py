@@ -192,7 +192,12 @@ class DeviceProfile:
 
 
 def _gpu(
-    name: str, peak_flops: Mapping[str, float], memory_bandwidth: float, host_link_bandwidth: float, memory_bytes: int
+    name: str,
+    peak_flops: Mapping[str, float],
+    memory_bandwidth: float,
+    host_link_bandwidth: float,
+    memory_bytes: int,
+    host_link: str,
 ) -> DeviceProfile:
     """A GPU's profile: its datasheet figures and the constants every GPU shares."""
     return DeviceProfile(
@@ -202,6 +207,7 @@ def _gpu(
         launch_overhead_s=LAUNCH_OVERHEAD_S,
         host_link_bandwidth=host_link_bandwidth,
         memory_bytes=memory_bytes,
+        host_link=host_link,
         sm_count=SM_COUNT[name],
         min_kernel_s=MIN_KERNEL_S,
         memory_latency_s=DRAM_LATENCY_S,

@@ -43,7 +43,6 @@ from magis.cost.profiler import (
     RuntimeCosts,
     bind_arguments,
     default_cache_path,
-    is_view,
     measurable,
     measure_device_profile,
     measure_nodes,
@@ -51,7 +50,7 @@ from magis.cost.profiler import (
     op_key,
     replay_strides,
 )
-from magis.ir.graph import Graph, Node
+from magis.ir.graph import Graph, Node, is_view
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -35,7 +35,7 @@ import torch
 
 from magis.backend.runtime import execute, lower
 from magis.cost.device_profiles import PRECISION_OF_DTYPE, DeviceProfile
-from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta, map_refs
+from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta, is_view, map_refs
 
 CACHE_FORMAT = 1
 CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
@@ -146,11 +146,6 @@ def contiguous_strides(shape: tuple[int, ...]) -> Strides:
 def _is_contiguous(shape: tuple[int, ...], strides: Strides) -> bool:
     """Row-major, ignoring the stride of size-1 dimensions (it never matters)."""
     return all(s == c for size, s, c in zip(shape, strides, contiguous_strides(shape)) if size != 1)
-
-
-def is_view(node: Node) -> bool:
-    """Every output element shares storage with an input: no data moves."""
-    return all(alias is not None for meta, alias in zip(node.outputs, node.aliases) if meta is not None)
 
 
 def replay_strides(graph: Graph) -> dict[str, NodeStrides]:

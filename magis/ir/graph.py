@@ -146,6 +146,11 @@ class Node:
         return sum(m.nbytes for m, a in zip(self.outputs, self.aliases) if m is not None and a is None)
 
 
+def is_view(node: Node) -> bool:
+    """Every output element shares storage with an input: no data moves."""
+    return all(alias is not None for meta, alias in zip(node.outputs, node.aliases) if meta is not None)
+
+
 def op_name(target: Any) -> str:
     if target is None:
         return "input"

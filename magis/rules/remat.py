@@ -33,8 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from magis.cost.latency import node_flops
-from magis.cost.profiler import is_view
-from magis.ir.graph import Graph, Node, Ref, Role, map_refs
+from magis.ir.graph import Graph, Node, Ref, Role, is_view, map_refs
 from magis.rules.rewrite import (
     Rewrite,
     SavedTensor,
