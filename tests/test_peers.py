@@ -15,8 +15,8 @@ from magis.bench.compare import Row, best_within, compare, pareto_front
 from magis.bench.methods import METHODS, PEER, Subject, variants
 from magis.bench.protocol import measure_peak
 from magis.cli import main
-from magis.commands.common import build_workload
 from magis.cost.memory import simulate_memory
+from magis.models import build_workload
 
 PEERS = [name for name, method in METHODS.items() if method.kind == PEER]
 

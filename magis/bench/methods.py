@@ -47,7 +47,6 @@ from magis.backend.eager import eager_step
 from magis.backend.runtime import StepResult, lower, run_program
 from magis.bench.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
 from magis.bench.protocol import Step
-from magis.commands.common import build_workload
 from magis.frontend.capture import capture
 from magis.frontend.checkpointed import capture_checkpointed
 from magis.frontend.partitioned import (
@@ -58,7 +57,7 @@ from magis.frontend.partitioned import (
     memory_budget,
 )
 from magis.ir.graph import Graph
-from magis.models import Built
+from magis.models import Built, build_workload
 from magis.search.single_fission import SingleFission, choose_within, single_fission_options
 
 #: what ``simulate`` returns: a graph and the order of its nodes the method runs

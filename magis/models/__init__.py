@@ -2,7 +2,17 @@
 
 from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph
 from magis.models.unet import UNet, UNetPlusPlus
-from magis.models.workloads import PRESETS, WORKLOADS, Built, HFTask, SegmentationTask, Workload, get_workload
+from magis.models.workloads import (
+    PRESETS,
+    WORKLOADS,
+    Built,
+    HFTask,
+    SegmentationTask,
+    Workload,
+    build_workload,
+    fake_if,
+    get_workload,
+)
 
 __all__ = [
     "PRESETS",
@@ -13,6 +23,8 @@ __all__ = [
     "UNet",
     "UNetPlusPlus",
     "Workload",
+    "build_workload",
+    "fake_if",
     "get_workload",
     "random_nasnet_graph",
     "random_randwire_graph",
