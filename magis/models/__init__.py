@@ -1,6 +1,6 @@
 """Workloads of the MAGIS evaluation (§7.1) and random graphs for scheduler work (§7.3)."""
 
-from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph
+from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph, random_training_graph
 from magis.models.unet import UNet, UNetPlusPlus
 from magis.models.workloads import (
     PRESETS,
@@ -28,4 +28,5 @@ __all__ = [
     "get_workload",
     "random_nasnet_graph",
     "random_randwire_graph",
+    "random_training_graph",
 ]
