@@ -81,18 +81,15 @@ def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES) -> Stage
     size, kept, workspace, cost, deps, users, fixed = [], [], [], [], [], [], set()
     for r, units in enumerate(runs):
         inside = set(units)
-        out_bytes = sum(
-            problem.size[u] for u in units if u not in problem.pinned and any(run_of[v] > r for v in problem.users[u])
-        )
-        pinned = sum(problem.size[u] for u in units if u in problem.pinned)
+        out_bytes = sum(problem.size[u] for u in units if any(run_of[v] > r for v in problem.users[u]))
+        pinned = sum(problem.kept[u] for u in units)
         live, peak = 0, 0
         for i, u in enumerate(units):
-            peak = max(peak, live + problem.size[u] + problem.workspace[u])
-            live += problem.size[u]
+            peak = max(peak, live + problem.size[u] + problem.kept[u] + problem.workspace[u])
+            live += problem.size[u] + problem.kept[u]
             for v in (*problem.deps[u], u):  # free what no later unit of the run, nor a later run, reads
                 if (
                     v in inside
-                    and v not in problem.pinned
                     and units.index(v) <= i
                     and not any((w in inside and units.index(w) > i) or run_of[w] > r for w in problem.users[v])
                 ):
@@ -119,8 +116,8 @@ def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES) -> Stage
 
 
 def _random(problem: RematProblem, u: int) -> bool:
-    """Fixed without being an output: a random op's value (or one another unit views)."""
-    return u in problem.fixed and u not in problem.pinned
+    """A random op's unit (or one another unit views): never computed twice."""
+    return u in problem.once
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class _DTR:
         self.limit = limit
         n = len(problem)
         self.resident = [False] * n
+        self.dead = [False] * n  # freed after the program's last read (recomputed only if a reader is)
+        # values that cannot be computed again: random ops, and readers of a freed one
+        self.poisoned = [u in problem.once for u in range(n)]
         self.last_access = [0] * n
         self.locks = [0] * n
         self.live = problem.static
@@ -56,6 +59,7 @@ class _DTR:
         self.evictions = 0
         # the units still to be run by the program (not recomputations) that read each value
         self.pending_users = [len(problem.users[u]) for u in range(n)]
+        self.waiting: set[int] = set()  # poisoned values the program no longer reads, not yet freed
         if problem.static > limit:
             raise DoesNotFit(f"parameters and inputs alone take {problem.static} bytes, over the limit of {limit}")
 
@@ -67,32 +71,66 @@ class _DTR:
                 self.pending_users[d] -= 1
                 self.release_if_dead(d)
             self.release_if_dead(u)
+            for w in list(self.waiting):
+                self.release_if_dead(w)
         recomputations = len(self.sequence) - len(p)
         assert sequence_peak(p, self.sequence) <= self.peak
         return DTRPlan(tuple(self.sequence), self.peak, self.evictions, recomputations)
 
     def release_if_dead(self, u: int) -> None:
-        if self.resident[u] and self.pending_users[u] == 0 and u not in self.p.pinned:
-            self.resident[u] = False
-            self.live -= self.p.size[u]
+        """Free ``u`` once the program reads it no more (DTR's banishing). A value that cannot be
+        recomputed waits until no evicted reader may need it; its readers then cannot be recomputed."""
+        p = self.p
+        if not self.resident[u] or self.pending_users[u] or self.locks[u]:
+            return
+        if self.poisoned[u]:
+            memo: dict[int, bool] = {}
+            if any(not self.resident[w] and self.needed(w, memo) for w in p.users[u]):
+                self.waiting.add(u)
+                return
+            self.waiting.discard(u)
+            for w in p.users[u]:
+                self.poison(w)
+        self.resident[u], self.dead[u] = False, True
+        self.live -= p.size[u]
+
+    def poison(self, u: int) -> None:
+        """``u`` cannot be computed again; nor can what reads it, while ``u`` is not resident."""
+        if self.poisoned[u]:
+            return
+        self.poisoned[u] = True
+        if not self.resident[u]:
+            for w in self.p.users[u]:
+                self.poison(w)
+
+    def needed(self, u: int, memo: dict[int, bool] | None = None) -> bool:
+        """Whether the non-resident ``u`` may still be computed again: the program reads it later,
+        or it may be recomputed for a non-resident reader (evicted, or freed) that may be."""
+        memo = {} if memo is None else memo
+        if u not in memo:
+            memo[u] = bool(self.pending_users[u]) or any(
+                not self.resident[w] and self.needed(w, memo) for w in self.p.users[u]
+            )
+        return memo[u]
 
     def compute(self, u: int) -> None:
         """Make ``u`` resident: its inputs first (recomputed if evicted), then ``u`` itself."""
         p = self.p
         for d in p.deps[u]:
             if not self.resident[d]:
+                assert not self.poisoned[d], f"{p.units[d][0]} cannot be recomputed"
                 self.compute(d)
             self.locks[d] += 1
             self.last_access[d] = self.clock
-        need = p.size[u] + p.workspace[u]
+        need = p.size[u] + p.kept[u] + p.workspace[u]
         while self.live + need > self.limit:
             self.evict(u, need)
         self.clock += 1
         self.sequence.append(u)
-        self.resident[u] = True
+        self.resident[u], self.dead[u] = True, False
         self.last_access[u] = self.clock
         self.peak = max(self.peak, self.live + need)
-        self.live += p.size[u]
+        self.live += p.size[u] + p.kept[u]
         for d in p.deps[u]:
             self.locks[d] -= 1
 
@@ -101,7 +139,7 @@ class _DTR:
         p = self.p
         best, best_h = -1, float("inf")
         for v in range(len(p)):
-            if not self.resident[v] or self.locks[v] or v in p.fixed or not p.size[v]:
+            if not self.resident[v] or self.locks[v] or self.poisoned[v] or not p.size[v]:
                 continue
             staleness = self.clock + 1 - self.last_access[v]
             h = p.cost[v] / (p.size[v] * staleness)
@@ -111,7 +149,7 @@ class _DTR:
             raise DoesNotFit(
                 f"DTR cannot run {p.units[u][0]} within {self.limit} bytes: it needs {need} more bytes "
                 f"with {self.live} resident, none of which may be evicted (inputs of the operator, "
-                "parameters, outputs, random values)"
+                "parameters, outputs, random values and what reads them)"
             )
         self.resident[best] = False
         self.live -= p.size[best]

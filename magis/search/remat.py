@@ -7,10 +7,9 @@ reduces a magis :class:`~magis.ir.graph.Graph` to that form, with the exact
 reductions of :mod:`magis.schedule.problem`: parameters, inputs and their views
 (*inert* nodes) are resident throughout; a node that allocates nothing and has one
 predecessor (a view, ``getitem``...) joins its predecessor's *unit*, so a unit's
-value is the storages its producer allocates. Units that may never be freed early
-or computed again are *fixed*: random ops (dropout is never drawn twice: DESIGN.md),
-graph outputs (gradients and the loss live to the end anyway), and a unit whose
-storage another unit views.
+value is the storages its producer allocates. Random ops are computed once
+(dropout is never drawn twice: DESIGN.md), and so is a unit whose storage another
+unit views; the bytes of graph outputs (gradients, loss) live to the end.
 
 A plan is a *sequence* of units, repeats being recomputations; :func:`replay` turns
 it into a graph in which every recomputation is a copy of the unit's nodes reading
@@ -39,8 +38,10 @@ class DoesNotFit(ValueError):
 class RematProblem:
     """A graph as units in captured order, with what a rematerialization planner needs.
 
-    ``size[u]`` is the bytes unit ``u`` allocates, ``workspace[u]`` what it holds only
-    while it runs, ``cost[u]`` its seconds; ``deps[u]`` the units whose values it
+    ``size[u]`` is the bytes unit ``u`` allocates that may be freed, ``kept[u]`` those that
+    live to the end of the step (graph outputs: gradients, loss, buffer updates; all of
+    a unit whose storage another unit views), ``workspace[u]`` what it holds only while
+    it runs, ``cost[u]`` its seconds; ``deps[u]`` the units whose values it
     reads, ``users[u]`` those that read its value (both exclude ``u``); ``static``
     the bytes resident for the whole step (parameters, buffers, inputs).
     """
@@ -49,16 +50,22 @@ class RematProblem:
     units: tuple[tuple[str, ...], ...]
     inert: tuple[str, ...]
     size: tuple[int, ...]
+    kept: tuple[int, ...]
     workspace: tuple[int, ...]
     cost: tuple[float, ...]
     deps: tuple[tuple[int, ...], ...]
     users: tuple[tuple[int, ...], ...]
-    fixed: frozenset[int]  # never freed before its last user, never computed twice
-    pinned: frozenset[int]  # fixed, and live to the end of the step (outputs)
+    once: frozenset[int]  # never computed twice: random ops, and units whose storage another unit views
+    pinned: frozenset[int]  # with bytes that live to the end of the step (``kept``)
     static: int
 
     def __len__(self) -> int:
         return len(self.units)
+
+    @property
+    def fixed(self) -> frozenset[int]:
+        """Units Checkmate never recomputes: :attr:`once`, and the outputs (:attr:`pinned`)."""
+        return self.once | self.pinned
 
     @property
     def no_remat_peak(self) -> int:
@@ -74,13 +81,14 @@ def remat_problem(graph: Graph, cost: NodeCost) -> RematProblem:
     n = len(units)
     deps: list[set[int]] = [set() for _ in range(n)]
     users: list[set[int]] = [set() for _ in range(n)]
-    fixed: set[int] = set()
-    pinned: set[int] = set()
+    once: set[int] = set()
+    viewed: set[int] = set()  # units whose storage another unit views
+    kept = [0] * n
     for u, names in enumerate(units):
         for name in names:
             if graph[name].random:
-                fixed.add(u)
-            for p in graph[name].inputs:  # data only: random units keep their order by being fixed
+                once.add(u)
+            for p in graph[name].inputs:  # data only: random units keep their order, run once
                 if p in unit_of and unit_of[p] != u:
                     deps[u].add(unit_of[p])
             for key in graph.storages[name]:
@@ -88,23 +96,28 @@ def remat_problem(graph: Graph, cost: NodeCost) -> RematProblem:
                     continue  # persistent
                 owner = unit_of[key[0]]
                 if owner != u:  # a view of another unit's storage keeps that storage alive
-                    pinned.add(owner)
-                if key in facts.pinned:
-                    pinned.add(owner)
+                    viewed.add(owner)
+                if key in facts.pinned and key[0] == name:
+                    kept[u] += graph.storage_bytes[key]
                 for reader in facts.readers[key]:
                     if unit_of.get(reader, owner) != owner:
                         users[owner].add(unit_of[reader])
                         deps[unit_of[reader]].add(owner)
+    size = [facts.alloc[names[0]] - kept[u] for u, names in enumerate(units)]
+    for u in viewed:
+        size[u], kept[u] = 0, kept[u] + size[u]
+    pinned = {u for u in range(n) if kept[u]} | viewed
     return RematProblem(
         graph=graph,
         units=tuple(tuple(u) for u in units),
         inert=tuple(inert),
-        size=tuple(facts.alloc[names[0]] for names in units),
+        size=tuple(size),
+        kept=tuple(kept),
         workspace=tuple(graph[names[0]].workspace for names in units),
         cost=tuple(sum(cost(name) for name in names) for names in units),
         deps=tuple(tuple(sorted(d)) for d in deps),
         users=tuple(tuple(sorted(s)) for s in users),
-        fixed=frozenset(fixed | pinned),
+        once=frozenset(once | viewed),
         pinned=frozenset(pinned),
         static=facts.persistent_bytes,
     )
@@ -112,7 +125,7 @@ def remat_problem(graph: Graph, cost: NodeCost) -> RematProblem:
 
 def sequence_peak(problem: RematProblem, sequence: Sequence[int]) -> int:
     """Peak bytes of running the units in ``sequence`` (repeats recompute), each value
-    freed after the last step that reads it before it is computed again.
+    freed after the last step that reads it before it is computed again (its ``kept`` bytes never).
 
     :func:`magis.cost.memory.simulate_memory` of the :func:`replay` of ``sequence``
     gives the same figure where each unit's storages share their readers, less where
@@ -130,9 +143,8 @@ def sequence_peak(problem: RematProblem, sequence: Sequence[int]) -> int:
         made.append((u, version[u]))
     delta = [0] * (len(sequence) + 1)
     for step, (u, v) in enumerate(made):
-        end = len(sequence) - 1 if u in problem.pinned else last_read.get((u, v), step)
-        delta[step] += problem.size[u]
-        delta[end + 1] -= problem.size[u]
+        delta[step] += problem.size[u] + problem.kept[u]
+        delta[last_read.get((u, v), step) + 1] -= problem.size[u]
     peak, live = 0, problem.static
     for step, u in enumerate(sequence):
         live += delta[step]
@@ -144,8 +156,8 @@ def replay(problem: RematProblem, sequence: Sequence[int]) -> tuple[Graph, tuple
     """The graph and order that run the units in ``sequence``, repeats as recomputed copies.
 
     A unit's first computation keeps its nodes' names; the ``r``-th recomputation
-    copies them as ``name.r<r>``, reading the latest copies of their inputs. Fixed
-    units must appear once. Graph outputs and the signature are unchanged.
+    copies them as ``name.r<r>``, reading the latest copies of their inputs. Units of
+    :attr:`RematProblem.once` must appear once. Graph outputs and the signature are unchanged.
     """
     graph = problem.graph
     latest: dict[str, str] = {}
@@ -153,8 +165,8 @@ def replay(problem: RematProblem, sequence: Sequence[int]) -> tuple[Graph, tuple
     times: dict[int, int] = {}
     for u in sequence:
         r = times[u] = times.get(u, -1) + 1
-        if r and u in problem.fixed:
-            raise ValueError(f"unit {u} ({problem.units[u][0]}) is fixed and cannot be computed twice")
+        if r and u in problem.once:
+            raise ValueError(f"unit {u} ({problem.units[u][0]}) must not be computed twice (a random op)")
         for name in problem.units[u]:
             node = graph[name]
             new = name if r == 0 else f"{name}.r{r}"
