@@ -91,6 +91,8 @@ PEER = "peer"
 MAGIS = "magis"
 #: the device profile simulated figures are priced on by default, and the baselines' planners plan for
 DEFAULT_DEVICE = "h200"
+#: HiGHS' time limit for one Checkmate program (per workload and budget)
+CHECKMATE_TIME_LIMIT_S = 60.0
 
 
 class MethodUnavailable(RuntimeError):
@@ -190,14 +192,17 @@ class Subject:
         peak = simulate_memory(self.graph, [n.name for n in self.graph.nodes]).peak
         return int(floor + budget * (peak - floor))
 
-    def remat_plan(self, planner: str, budget: float) -> tuple[Any, Graph, tuple[str, ...]]:
+    def remat_plan(self, planner: str, budget: float) -> tuple[CheckmatePlan | DTRPlan, Graph, tuple[str, ...]]:
         """``planner``'s (``checkmate`` or ``dtr``) plan within :meth:`memory_limit`, its graph and order
         (made once per budget). Raises :class:`MethodUnavailable` when no plan fits."""
         key = (planner, budget)
         if key not in self._plans:
             limit = self.memory_limit(budget)
             try:
-                plan = (checkmate_plan if planner == "checkmate" else dtr_plan)(self.remat_problem, limit)
+                if planner == "checkmate":
+                    plan: CheckmatePlan | DTRPlan = checkmate_plan(self.remat_problem, limit, CHECKMATE_TIME_LIMIT_S)
+                else:
+                    plan = dtr_plan(self.remat_problem, limit)
             except DoesNotFit as err:
                 raise MethodUnavailable(f"{err} (budget {budget:g}: {limit} bytes)") from err
             self._plans[key] = (plan, *replay(self.remat_problem, plan.sequence))

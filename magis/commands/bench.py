@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(DEFAULT_BUDGETS),
         metavar="B",
-        help="memory budgets in (0, 1]: torch.compile's activation memory budget (compile@B) and "
+        help="memory budgets in (0, 1]: torch.compile's activation memory budget (compile@B), the activations' "
+        "share of the captured peak Checkmate and DTR plan within (checkmate@B, dtr@B) and "
         f"magis-fission's fraction of the scheduled peak (default: {' '.join(map(str, DEFAULT_BUDGETS))})",
     )
     parser.add_argument(
