@@ -37,12 +37,16 @@ aten = torch.ops.aten
 _MEAN = 1  # torch's Reduction enum
 
 
-def accumulated_graph(micro: Graph, order: Sequence[str], micro_batches: int) -> tuple[Graph, tuple[str, ...]]:
+def accumulated_graph(
+    micro: Graph, order: Sequence[str], micro_batches: int, together: bool = False
+) -> tuple[Graph, tuple[str, ...]]:
     """``micro_batches`` copies of the micro-batch step ``micro`` (run in ``order``) as one graph, and its order.
 
     Copy ``i``'s nodes are named ``mb<i>/<name>``; parameters and buffers are shared,
-    user inputs become the full batch (resident) sliced per copy. Raises ValueError
-    for ``micro_batches`` below 1.
+    user inputs become the full batch (resident) sliced per copy. A gradient is added
+    into ``.grad`` right after it is made (autograd's ``AccumulateGrad``), or, with
+    ``together``, once the copy's last node ran (a compiled backward returns every
+    gradient at once). Raises ValueError for ``micro_batches`` below 1.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches}")
@@ -85,6 +89,7 @@ def accumulated_graph(micro: Graph, order: Sequence[str], micro_batches: int) ->
                 )
             )
             assert full[k].name == name
+        pending: list[Node] = []
         for name in order:
             node = micro[name]
             if node.is_input:
@@ -104,7 +109,7 @@ def accumulated_graph(micro: Graph, order: Sequence[str], micro_batches: int) ->
                         aliases=((0, 0),),
                         role=Role.GRADIENT,
                     )
-                    nodes.append(acc)
+                    (pending if together else nodes).append(acc)
                     accumulated[param] = acc.name
             if name == sig.loss:
                 if i == 0:
@@ -120,6 +125,7 @@ def accumulated_graph(micro: Graph, order: Sequence[str], micro_batches: int) ->
                     )
                     nodes.append(total)
                     loss_total = total.name
+        nodes += pending
         edges += [(f"mb{i}/{a}", f"mb{i}/{b}") for a, b in micro.order_edges]
         if i and randoms:  # the micro-batches draw from one random stream, one after another
             edges.append((f"mb{i - 1}/{randoms[-1]}", f"mb{i}/{randoms[0]}"))

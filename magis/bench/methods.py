@@ -352,9 +352,12 @@ def _in_order(graph: Graph) -> Simulated:
     return graph, [n.name for n in graph.nodes]
 
 
-def _micro(subject: Subject, built: Built, trace: Callable[[torch.nn.Module, tuple, LossFn], Graph]) -> Simulated:
+def _micro(
+    subject: Subject, built: Built, trace: Callable[[torch.nn.Module, tuple, LossFn], Graph], compiled: bool = False
+) -> Simulated:
     """The graph of ``built``'s step as ``trace(model, inputs, loss_fn)`` captures it, in its order;
-    for an accumulating subject, its micro-batches one after another (:func:`accumulated_graph`)."""
+    for an accumulating subject, its micro-batches one after another (:func:`accumulated_graph`;
+    a ``compiled`` backward hands its gradients to ``.grad`` all at once)."""
     if subject.micro_batches == 1:
         return _in_order(trace(built.model, tuple(built.example_inputs), built.loss_fn))
     try:
@@ -362,7 +365,7 @@ def _micro(subject: Subject, built: Built, trace: Callable[[torch.nn.Module, tup
     except (ValueError, CaptureError) as err:  # e.g. batch norm of one value per channel
         size = subject.batch_size // subject.micro_batches
         raise MethodUnavailable(f"a micro-batch of {size} does not run: {err}") from err
-    return accumulated_graph(micro, [n.name for n in micro.nodes], subject.micro_batches)
+    return accumulated_graph(micro, [n.name for n in micro.nodes], subject.micro_batches, together=compiled)
 
 
 # --------------------------------------------------------------------- peers
@@ -420,7 +423,7 @@ def _compile_simulate(subject: Subject, budget: float | None) -> Simulated:
     def trace(model: torch.nn.Module, inputs: tuple, loss_fn: LossFn) -> Graph:
         return capture_partitioned(model, inputs, loss_fn, budget)
 
-    return _micro(subject, subject.built, trace)
+    return _micro(subject, subject.built, trace, compiled=True)
 
 
 def _accumulation_details(subject: Subject, _budget: float | None) -> dict[str, Any]:
