@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             run_one(workload, preset, args)
             log(f"{workload} ({preset}): done in {time.perf_counter() - start:.0f} s")
     rows = [summary_row(workload, args.out) for workload in WORKLOADS]
+    columns = list(dict.fromkeys(key for row in rows for key in row))  # magis' and Checkmate's where they ran
+    rows = [{key: row.get(key, "-") for key in columns} for row in rows]
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     print(
         f"Best peak ratio at <= {', '.join(f'{o:.0%}' for o in OVERHEADS)} latency overhead over eager "
