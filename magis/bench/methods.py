@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from magis.backend.eager import eager_step
+from magis.backend.eager import eager_step, split_batch
 from magis.backend.runtime import StepResult, lower, run_program
 from magis.bench.accumulation import accumulated_graph, gradient_differences
 from magis.bench.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
@@ -119,7 +119,7 @@ class Subject:
 
     def __post_init__(self) -> None:
         self.built = self.rebuild()
-        self._plans: dict[tuple[str, float], Any] = {}
+        self._plans: dict[tuple[str, float], tuple[CheckmatePlan | DTRPlan, Graph, tuple[str, ...]]] = {}
         self._accumulating: dict[int, Subject] = {}
 
     @property
@@ -146,8 +146,7 @@ class Subject:
     def micro_step(self, built: Built) -> tuple[torch.nn.Module, tuple, LossFn]:
         """What one micro-batch of ``built`` runs: the model, the first micro-batch's inputs
         (views of the batch) and the loss scaled by ``1 / micro_batches``."""
-        size = self.batch_size // self.micro_batches
-        inputs = tuple(x[:size] if isinstance(x, torch.Tensor) and x.dim() else x for x in built.example_inputs)
+        inputs = split_batch(built.example_inputs, self.micro_batches)[0]
         base = built.loss_fn
 
         def loss_fn(output: Any) -> torch.Tensor:
