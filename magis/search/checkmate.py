@@ -2,7 +2,7 @@
 
 The step's values are computed in a fixed topological order (the captured one), in
 *stages*: stage ``t`` computes value ``t`` and may first recompute any earlier
-values. Binary variables (§4.1-4.4):
+values. Binary variables:
 
 - ``R[t,i]``: value ``i`` is computed in stage ``t`` (``R[t,t] = 1``, none after ``t``);
 - ``S[t,i]``: value ``i`` is resident at the start of stage ``t`` (kept from stage ``t-1``);
@@ -10,17 +10,17 @@ values. Binary variables (§4.1-4.4):
   (``i`` an input of ``k``, or ``k`` itself).
 
 Constraints: an operator's inputs are resident or computed before it in the stage
-(``R[t,k] <= R[t,i] + S[t,i]``, Eq. 1b); only what was resident or computed can be
-kept (``S[t+1,i] <= S[t,i] + R[t,i]``, Eq. 1c); memory is accounted step by step,
+(``R[t,k] <= R[t,i] + S[t,i]``); only what was resident or computed can be
+kept (``S[t+1,i] <= S[t,i] + R[t,i]``); memory is accounted step by step,
 ``U[t,k] = U[t,k-1] + R[t,k]·m_k - Σ_i m_i·FREE[t,i,k-1]`` with ``U[t,k]`` (plus the
-operator's transient workspace) within the budget (Eq. 2-3, §4.5); and ``FREE`` is
+operator's transient workspace) within the budget; and ``FREE`` is
 linearised from "``k`` runs, ``i`` is not kept, and no later user of ``i`` runs in
-this stage" by counting those hazards (Eq. 7-9). The objective is the total compute
+this stage" by counting those hazards, as the paper linearises it. The objective is the total compute
 time ``Σ_t Σ_i C_i R[t,i]``. Values of random ops (dropout), graph outputs and
 values viewed by another unit are never recomputed (:mod:`magis.search.remat`);
 outputs are kept to the end.
 
-Large graphs are coarsened (§6's layer-level graphs): the units of
+Large graphs are coarsened (the paper plans over layer-level graphs): the units of
 :func:`~magis.search.remat.remat_problem` (views folded into their producers) are
 grouped into runs of consecutive units, each run one stage value, random units
 alone. A run's value is the bytes its units make that later runs read; what it
@@ -144,6 +144,10 @@ def checkmate_plan(
     Raises :class:`~magis.search.remat.DoesNotFit` when the program is infeasible or
     no plan was found within ``time_limit_s``.
     """
+    if budget <= 0 or time_limit_s <= 0 or max_stages < 1:
+        raise ValueError(
+            f"budget, time_limit_s and max_stages must be positive, got {budget}, {time_limit_s} and {max_stages}"
+        )
     start = time.perf_counter()
     st = stages(problem, max_stages)
     model = _Program(st, budget)
@@ -251,7 +255,7 @@ class _Program:
                 continue
             free = self.col(0.0, 0.0, 1.0)
             later = [self.R[t][j] for j in st.users[i] if k < j <= t]
-            # hazards: k does not run, i is kept, a later user of i runs in this stage (Eq. 7-9)
+            # hazards: k does not run, i is kept, a later user of i runs in this stage
             hazards = {self.R[t][k]: -1.0, self.S[t + 1][i]: 1.0, **{r: 1.0 for r in later}}
             bound = 2 + len(later)
             # 1 - FREE <= hazards  and  hazards <= bound (1 - FREE); hazards = 1 - R + S + Σ R_later

@@ -2,15 +2,17 @@
 
 DTR is an online policy: the step runs operator by operator in its captured order;
 when an allocation would exceed the memory limit, resident values are evicted, one
-at a time, the one with the least ``h(t) = c(t) / (m(t) s(t))`` first (§3: compute
-cost ``c``, memory ``m``, staleness ``s``, the time since its last access; this is
-the paper's local-cost heuristic, without the evicted-neighbourhood term of
-``h_DTR``). An operator whose input was evicted first recomputes it, recursively
-(§2). Values no later operator reads are freed at once (the reference count drops:
-the paper's "banishing" of dead tensors). What DTR never evicts here: parameters,
-inputs and graph outputs (gradients, loss), the inputs of the operator being
-computed (locked), and every random op's value: a dropout mask is never drawn again
-(DESIGN.md's rule; the paper's own implementation replays the RNG state instead).
+at a time, the one with the least ``h(t) = c(t) / (m(t) s(t))`` first (compute
+cost ``c``, memory ``m``, staleness ``s``, the time since its last access: the
+paper's heuristic with the tensor's own cost, without the evicted-neighbourhood
+term of its ``h_DTR``). An operator whose input was evicted first recomputes it,
+recursively. Values no later operator reads are freed at once (the reference count
+drops: the paper's "banishing"). Never evicted here: parameters and inputs, the
+bytes of graph outputs (gradients, loss), the inputs of the operator being computed
+(locked), and every random op's value: a dropout mask is never drawn again
+(DESIGN.md's rule; the paper's implementation replays the RNG state instead). So a
+random value is freed only once no evicted reader may need it, and what read it
+can then no longer be recomputed either: it is not evicted.
 
 :func:`dtr_plan` returns the operations DTR ran, recomputations included, as a
 :class:`~magis.search.remat.RematProblem` sequence, which
