@@ -23,6 +23,7 @@ evictable value evicted, it raises :class:`~magis.search.remat.DoesNotFit`.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from magis.search.remat import DoesNotFit, RematProblem, sequence_peak
@@ -40,7 +41,12 @@ class DTRPlan:
 
 def dtr_plan(problem: RematProblem, limit: int) -> DTRPlan:
     """Run ``problem``'s units in order under ``limit`` bytes with DTR's eviction policy."""
-    return _DTR(problem, limit).run()
+    depth = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(depth, 4 * len(problem) + 1000))  # a recomputation may reach back through the step
+    try:
+        return _DTR(problem, limit).run()
+    finally:
+        sys.setrecursionlimit(depth)
 
 
 class _DTR:
@@ -98,21 +104,32 @@ class _DTR:
 
     def poison(self, u: int) -> None:
         """``u`` cannot be computed again; nor can what reads it, while ``u`` is not resident."""
-        if self.poisoned[u]:
-            return
-        self.poisoned[u] = True
-        if not self.resident[u]:
-            for w in self.p.users[u]:
-                self.poison(w)
+        stack = [u]
+        while stack:
+            v = stack.pop()
+            if not self.poisoned[v]:
+                self.poisoned[v] = True
+                if not self.resident[v]:
+                    stack.extend(self.p.users[v])
 
-    def needed(self, u: int, memo: dict[int, bool] | None = None) -> bool:
+    def needed(self, u: int, memo: dict[int, bool]) -> bool:
         """Whether the non-resident ``u`` may still be computed again: the program reads it later,
-        or it may be recomputed for a non-resident reader (evicted, or freed) that may be."""
-        memo = {} if memo is None else memo
-        if u not in memo:
-            memo[u] = bool(self.pending_users[u]) or any(
-                not self.resident[w] and self.needed(w, memo) for w in self.p.users[u]
-            )
+        or it may be recomputed for a non-resident reader (evicted, or freed) that may be.
+        Depth first without recursion (paths run through the whole step); ``memo`` keeps the answers."""
+        users, resident = self.p.users, self.resident
+        stack = [u]
+        while stack:
+            v = stack[-1]
+            if v in memo:
+                stack.pop()
+            elif self.pending_users[v]:
+                memo[v] = True
+                stack.pop()
+            elif todo := [w for w in users[v] if not resident[w] and w not in memo]:
+                stack.extend(todo)
+            else:
+                memo[v] = any(memo[w] for w in users[v] if not resident[w])
+                stack.pop()
         return memo[u]
 
     def compute(self, u: int) -> None:
