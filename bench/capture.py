@@ -21,9 +21,9 @@ from driver import measure_in_subprocess, write_json
 
 def measure_one(name: str, preset: str) -> dict:
     """Build, capture and simulate one workload in this process."""
-    from magis.commands.common import build_workload
     from magis.cost.memory import simulate_memory
     from magis.frontend.capture import capture_timed
+    from magis.models import build_workload
 
     start = time.perf_counter()
     built = build_workload(name, preset, None)

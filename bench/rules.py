@@ -22,10 +22,10 @@ from driver import measure_in_subprocess, write_json
 
 def count_one(name: str, preset: str, device: str) -> dict:
     """Capture one workload in this process and count every rule's candidates."""
-    from magis.commands.common import build_workload
     from magis.cost.latency import cost_model
     from magis.cost.memory import simulate_memory
     from magis.frontend.capture import capture
+    from magis.models import build_workload
     from magis.rules.compact import compact
     from magis.rules.remat import de_remat, remat
     from magis.rules.rewrite import Timeline, saved_tensors

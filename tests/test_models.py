@@ -10,7 +10,14 @@ from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from magis.ir import Role
-from magis.models import PRESETS, WORKLOADS, get_workload, random_nasnet_graph, random_randwire_graph
+from magis.models import (
+    PRESETS,
+    WORKLOADS,
+    get_workload,
+    random_nasnet_graph,
+    random_randwire_graph,
+    random_training_graph,
+)
 
 NAMES = list(WORKLOADS)
 
@@ -162,3 +169,16 @@ def test_random_graph_arguments_are_checked():
         random_randwire_graph(8, seed=0)
     with pytest.raises(ValueError, match="even k"):
         random_randwire_graph(100, seed=0, k=3)
+
+
+@pytest.mark.parametrize("layers", [1, 5, 40])
+def test_training_graphs_save_every_forward_value_for_the_backward(layers):
+    graph = random_training_graph(layers, seed=layers)
+    assert len(graph) == 2 * layers + 2
+    loss = next(n for n in graph.nodes if n.role is Role.LOSS)
+    assert graph.outputs == (loss.name, graph.nodes[-1].name) and graph.nodes[-1].role is Role.GRADIENT
+    forward = [n.name for n in graph.nodes[: layers + 1]]  # the input and the layers
+    for value in forward[:-1]:  # read by a later layer and by a backward node
+        assert {graph[c].target for c in graph.consumers[value]} >= {"layer_backward"}
+    with pytest.raises(ValueError, match="layers"):
+        random_training_graph(0, seed=0)

@@ -12,18 +12,58 @@ from magis.backend.runtime import StepResult
 from magis.frontend.capture import LossFn, default_loss
 
 
-def eager_step(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> StepResult:
-    """``zero_grad(set_to_none)``, forward, loss, backward; gradients are detached from ``.grad``."""
+def eager_step(
+    model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None, micro_batches: int = 1
+) -> StepResult:
+    """``zero_grad(set_to_none)``, forward, loss, backward; gradients are detached from ``.grad``.
+
+    With ``micro_batches = k > 1``, gradient accumulation as transformers' ``Trainer``
+    does it (``gradient_accumulation_steps``): the batch is split into ``k`` equal
+    micro-batches (:func:`split_batch`), each runs forward and ``backward()`` of its
+    mean loss times ``1/k``, the gradients adding up in ``.grad``; the loss returned is
+    the sum of the scaled losses. That is the full batch's gradient when the loss is a
+    mean over equally many terms per micro-batch and nothing else couples samples.
+    """
     for p in model.parameters():
         p.grad = None
-    output = model(*example_inputs)
-    loss = default_loss(output) if loss_fn is None else loss_fn(output)
-    del output
-    loss.backward()
+    total = None
+    for inputs in split_batch(example_inputs, micro_batches):
+        output = model(*inputs)
+        loss = default_loss(output) if loss_fn is None else loss_fn(output)
+        del output
+        if micro_batches > 1:
+            loss = loss / micro_batches
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        del loss
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     for p in model.parameters():
         p.grad = None
-    return StepResult(loss.detach(), grads, {})
+    assert total is not None
+    return StepResult(total, grads, {})
+
+
+def split_batch(example_inputs: Sequence[Any], micro_batches: int) -> list[tuple]:
+    """The inputs as ``micro_batches`` equal micro-batches along the first dimension of every tensor (views).
+
+    Raises ValueError when the tensors disagree on the batch size or ``micro_batches``
+    does not divide it.
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive integer, got {micro_batches}")
+    if micro_batches == 1:
+        return [tuple(example_inputs)]
+    sizes = {x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim()}
+    if len(sizes) != 1:
+        raise ValueError(f"cannot split into micro-batches: the input tensors' first dimensions differ ({sizes})")
+    (batch,) = sizes
+    if batch % micro_batches:
+        raise ValueError(f"{micro_batches} micro-batches do not divide the batch of {batch}")
+    size = batch // micro_batches
+    return [
+        tuple(x[i * size : (i + 1) * size] if isinstance(x, torch.Tensor) and x.dim() else x for x in example_inputs)
+        for i in range(micro_batches)
+    ]
 
 
 def buffers_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -23,6 +23,22 @@ Peers (what a practitioner reaches for today):
 - ``checkpoint-sqrt`` — √n segments of blocks, each checkpointed (Chen et al. 2016).
 - ``compile`` — ``torch.compile``'s min-cut partitioner under
   ``torch._functorch.config.activation_memory_budget`` (:mod:`magis.frontend.partitioned`).
+- ``accumulate`` — gradient accumulation over k micro-batches (``accumulate@4``), one
+  variant per divisor k > 1 of the batch, and the combinations a practitioner
+  stacks: ``accumulate@4+checkpoint-block``, ``accumulate@4+compile@0.5``
+  (:mod:`magis.bench.accumulation`). Where that is not the full batch's gradient
+  (batch norm, dropout, masked labels) the row's ``gradient_note`` says why.
+- ``checkmate`` — Checkmate's optimal rematerialization (MILP, HiGHS) of the captured
+  step within ``budget`` (:mod:`magis.search.checkmate`); the row's ``details`` give the
+  solver status, the gap left and the solve time.
+- ``dtr`` — Dynamic Tensor Rematerialization's eviction policy simulated on the
+  captured step within ``budget`` (:mod:`magis.search.dtr`).
+
+The memory limit of ``checkmate@B`` and ``dtr@B`` is what no plan can free (parameters,
+buffers, inputs, and the gradients and loss the step returns) plus ``B`` times the
+rest of the captured step's simulated peak: as ``compile@B``, a budget for activations. Both plan with the
+``h200`` cost model (:data:`DEFAULT_DEVICE`) and run for real as magis-runtime
+graphs holding the recomputed copies.
 
 magis:
 
@@ -40,6 +56,8 @@ magis:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -48,14 +66,14 @@ from typing import Any
 
 import torch
 
-from magis.backend.eager import eager_step
+from magis.backend.eager import eager_step, split_batch
 from magis.backend.runtime import StepResult, lower, run_program
+from magis.bench.accumulation import accumulated_graph, gradient_differences
 from magis.bench.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
 from magis.bench.protocol import Step
-from magis.commands.common import build_workload
 from magis.cost.latency import cost_model
 from magis.cost.memory import simulate_memory
-from magis.frontend.capture import capture
+from magis.frontend.capture import CaptureError, LossFn, capture, default_loss
 from magis.frontend.checkpointed import capture_checkpointed
 from magis.frontend.partitioned import (
     GraphRecorder,
@@ -65,8 +83,11 @@ from magis.frontend.partitioned import (
     memory_budget,
 )
 from magis.ir.graph import Graph
-from magis.models import Built
+from magis.models import Built, build_workload, get_workload
+from magis.search.checkmate import CheckmatePlan, checkmate_plan
+from magis.search.dtr import DTRPlan, dtr_plan
 from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, m_optimize
+from magis.search.remat import DoesNotFit, RematProblem, remat_problem, replay
 from magis.search.single_fission import SingleFission, choose_within, single_fission_options
 from magis.search.state import MState
 
@@ -75,6 +96,10 @@ Simulated = tuple[Graph, Sequence[str]]
 
 PEER = "peer"
 MAGIS = "magis"
+#: the device profile simulated figures are priced on by default, and the baselines' planners plan for
+DEFAULT_DEVICE = "h200"
+#: HiGHS' time limit for one Checkmate program (per workload and budget)
+CHECKMATE_TIME_LIMIT_S = 60.0
 
 #: seconds and states the M-Optimizer searches per workload and budget in the yardstick (its defaults)
 OPTIMIZE_SECONDS = 60.0
@@ -101,9 +126,46 @@ class Subject:
     seed: int = 0
     built: Built = field(init=False)
     _searches: dict[float, MState] = field(init=False, default_factory=dict, repr=False)
+    #: set on the subjects of gradient accumulation (:meth:`accumulating`): k micro-batches of batch / k
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         self.built = self.rebuild()
+        self._plans: dict[tuple[str, float], tuple[CheckmatePlan | DTRPlan, Graph, tuple[str, ...]]] = {}
+        self._accumulating: dict[int, Subject] = {}
+
+    @property
+    def batch_size(self) -> int:
+        """The batch the workload is built at (the preset's unless :attr:`batch` says otherwise)."""
+        return self.batch or get_workload(self.workload).presets[self.preset]["batch"]
+
+    def accumulating(self, micro_batches: int) -> Subject:
+        """This subject run as ``micro_batches`` micro-batches (made once per count).
+
+        It shares this subject's build and captured step (which its gradient notes read).
+        """
+        if micro_batches == self.micro_batches:
+            return self
+        if micro_batches not in self._accumulating:
+            if micro_batches < 1 or self.batch_size % micro_batches:
+                raise ValueError(f"{micro_batches} micro-batches do not divide the batch of {self.batch_size}")
+            _ = self.graph  # capture before sharing
+            child = copy.copy(self)
+            child.micro_batches, child._plans, child._accumulating = micro_batches, {}, {}
+            self._accumulating[micro_batches] = child
+        return self._accumulating[micro_batches]
+
+    def micro_step(self, built: Built) -> tuple[torch.nn.Module, tuple, LossFn]:
+        """What one micro-batch of ``built`` runs: the model, the first micro-batch's inputs
+        (views of the batch) and the loss scaled by ``1 / micro_batches``."""
+        inputs = split_batch(built.example_inputs, self.micro_batches)[0]
+        base = built.loss_fn
+
+        def loss_fn(output: Any) -> torch.Tensor:
+            loss = default_loss(output) if base is None else base(output)
+            return loss / self.micro_batches
+
+        return built.model, inputs, loss_fn
 
     def rebuild(self) -> Built:
         """A new build of the workload, identical to :attr:`built`."""
@@ -141,6 +203,36 @@ class Subject:
         return self._searches[budget]
 
     @cached_property
+    def remat_problem(self) -> RematProblem:
+        """The captured step as the rematerialization baselines see it, priced on :data:`DEFAULT_DEVICE`."""
+        model = cost_model(DEFAULT_DEVICE)
+        return remat_problem(self.graph, lambda name: model.node_seconds(self.graph, name))
+
+    def memory_limit(self, budget: float) -> int:
+        """What stays whatever the plan (parameters, inputs, the gradients and loss it returns) plus
+        ``budget`` times the rest of the captured step's simulated peak: the activations' share."""
+        problem = self.remat_problem
+        floor = problem.static + sum(problem.kept)
+        peak = simulate_memory(self.graph, [n.name for n in self.graph.nodes]).peak
+        return int(floor + budget * (peak - floor))
+
+    def remat_plan(self, planner: str, budget: float) -> tuple[CheckmatePlan | DTRPlan, Graph, tuple[str, ...]]:
+        """``planner``'s (``checkmate`` or ``dtr``) plan within :meth:`memory_limit`, its graph and order
+        (made once per budget). Raises :class:`MethodUnavailable` when no plan fits."""
+        key = (planner, budget)
+        if key not in self._plans:
+            limit = self.memory_limit(budget)
+            try:
+                if planner == "checkmate":
+                    plan: CheckmatePlan | DTRPlan = checkmate_plan(self.remat_problem, limit, CHECKMATE_TIME_LIMIT_S)
+                else:
+                    plan = dtr_plan(self.remat_problem, limit)
+            except DoesNotFit as err:
+                raise MethodUnavailable(f"{err} (budget {budget:g}: {limit} bytes)") from err
+            self._plans[key] = (plan, *replay(self.remat_problem, plan.sequence))
+        return self._plans[key]
+
+    @cached_property
     def scheduled_order(self) -> tuple[str, ...]:
         """The captured graph's memory-optimal order (:func:`magis.schedule.schedule`)."""
         try:
@@ -156,6 +248,8 @@ class Runnable:
 
     step: Step
     built: Built
+    #: why its gradients are not the full batch's (accumulation), ``None`` when they must equal eager's
+    gradient_note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -168,23 +262,49 @@ class Method:
     real: Callable[[Subject, float | None], Runnable]
     simulate: Callable[[Subject, float | None], Simulated]
     budgeted: bool = False  # runs once per activation memory budget
+    micro_batched: bool = False  # runs once per micro-batch count k > 1 dividing the batch (accumulation)
+    #: facts of a variant's plan for its row (solver status, solve time...), ``None``: none
+    details: Callable[[Subject, float | None], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A method at one budget (``None`` for a method without one): one row of a comparison."""
+    """A method at one budget (``None`` for a method without one) and micro-batch count: one row of a comparison."""
 
     method: Method
     budget: float | None = None
+    micro_batches: int | None = None  # micro-batched methods only
 
     @property
     def name(self) -> str:
-        return self.method.name if self.budget is None else f"{self.method.name}@{self.budget:g}"
+        name = self.method.name
+        if self.micro_batches is not None:
+            name = name.replace(ACCUMULATE, f"{ACCUMULATE}@{self.micro_batches}", 1)
+        return name if self.budget is None else f"{name}@{self.budget:g}"
+
+    def subject(self, subject: Subject) -> Subject:
+        """The subject this variant runs on: ``subject``, or its accumulating version."""
+        return subject if self.micro_batches is None else subject.accumulating(self.micro_batches)
+
+    def real(self, subject: Subject) -> Runnable:
+        """The variant's step on ``subject``, run for real."""
+        return self.method.real(self.subject(subject), self.budget)
+
+    def simulate(self, subject: Subject) -> Simulated:
+        """The variant's graph and order on ``subject``, for the simulator."""
+        return self.method.simulate(self.subject(subject), self.budget)
+
+    def details(self, subject: Subject) -> dict[str, Any] | None:
+        """Facts of the variant's plan for its row, if the method reports any."""
+        report = self.method.details
+        return None if report is None else report(self.subject(subject), self.budget)
 
 
 METHODS: dict[str, Method] = {}
 REFERENCE = "eager"
 DEFAULT_BUDGETS = (1.0, 0.5, 0.1)
+#: the prefix of the micro-batched methods' names
+ACCUMULATE = "accumulate"
 
 
 def register(method: Method) -> Method:
@@ -195,8 +315,11 @@ def register(method: Method) -> Method:
     return method
 
 
-def variants(names: Sequence[str] | None = None, budgets: Sequence[float] = DEFAULT_BUDGETS) -> list[Variant]:
-    """The variants to compare: ``names`` (default: every method), eager first, one per budget.
+def variants(
+    names: Sequence[str] | None = None, budgets: Sequence[float] = DEFAULT_BUDGETS, batch: int | None = None
+) -> list[Variant]:
+    """The variants to compare: ``names`` (default: every method), eager first, one per budget
+    and, for micro-batched methods, one per divisor ``k > 1`` of ``batch`` (none without a batch).
 
     Raises ValueError naming the valid choices for an unknown method or a budget
     outside ``(0, 1]``.
@@ -210,21 +333,32 @@ def variants(names: Sequence[str] | None = None, budgets: Sequence[float] = DEFA
     budgets = [check_budget(b) for b in budgets]
     ordered = [REFERENCE, *dict.fromkeys(n for n in names if n != REFERENCE)]
     out: list[Variant] = []
+    counts = [k for k in range(2, (batch or 0) + 1) if batch % k == 0]
     for name in ordered:
         method = METHODS[name]
-        out += [Variant(method, b) for b in budgets] if method.budgeted else [Variant(method)]
+        for k in counts if method.micro_batched else [None]:
+            out += [Variant(method, b, k) for b in budgets] if method.budgeted else [Variant(method, None, k)]
     return out
 
 
 # --------------------------------------------------------------------- steps
-def _eager(built: Built) -> Runnable:
-    """An eager PyTorch step of ``built`` (the subject's build, or a changed rebuild)."""
+def _eager(built: Built, subject: Subject, model: torch.nn.Module | None = None) -> Runnable:
+    """An eager PyTorch step of ``built`` (the subject's build, or a changed rebuild) over the
+    subject's micro-batches; ``model`` (default: ``built.model``) is what runs it."""
+    model = built.model if model is None else model
+    k = subject.micro_batches
 
     def step(scope: AbstractContextManager) -> StepResult:
         with scope:
-            return eager_step(built.model, built.example_inputs, built.loss_fn)
+            try:
+                return eager_step(model, built.example_inputs, built.loss_fn, k)
+            except ValueError as err:  # e.g. batch norm of one value per channel
+                if k == 1:
+                    raise
+                raise MethodUnavailable(f"a micro-batch of {subject.batch_size // k} does not run: {err}") from err
 
-    return Runnable(step, built)
+    note = gradient_differences(subject.graph, built.example_inputs, k) if k > 1 else None
+    return Runnable(step, built, note)
 
 
 def _runtime(subject: Subject, order: Sequence[str], graph: Graph | None = None) -> Runnable:
@@ -242,13 +376,31 @@ def _in_order(graph: Graph) -> Simulated:
     return graph, [n.name for n in graph.nodes]
 
 
+def _micro(
+    subject: Subject, built: Built, trace: Callable[[torch.nn.Module, tuple, LossFn], Graph], compiled: bool = False
+) -> Simulated:
+    """The graph of ``built``'s step as ``trace(model, inputs, loss_fn)`` captures it, in its order;
+    for an accumulating subject, its micro-batches one after another (:func:`accumulated_graph`;
+    a ``compiled`` backward hands its gradients to ``.grad`` all at once)."""
+    if subject.micro_batches == 1:
+        return _in_order(trace(built.model, tuple(built.example_inputs), built.loss_fn))
+    try:
+        micro = trace(*subject.micro_step(built))
+    except (ValueError, CaptureError) as err:  # e.g. batch norm of one value per channel
+        size = subject.batch_size // subject.micro_batches
+        raise MethodUnavailable(f"a micro-batch of {size} does not run: {err}") from err
+    return accumulated_graph(micro, [n.name for n in micro.nodes], subject.micro_batches, together=compiled)
+
+
 # --------------------------------------------------------------------- peers
 def _eager_real(subject: Subject, _budget: float | None) -> Runnable:
-    return _eager(subject.built)
+    return _eager(subject.built, subject)
 
 
 def _eager_simulate(subject: Subject, _budget: float | None) -> Simulated:
-    return _in_order(subject.graph)
+    if subject.micro_batches == 1:
+        return _in_order(subject.graph)  # captured once, shared with the magis methods
+    return _micro(subject, subject.built, capture)
 
 
 def _checkpointing(apply: Callable[[torch.nn.Module, tuple], Any]) -> tuple[Callable, Callable]:
@@ -260,11 +412,10 @@ def _checkpointing(apply: Callable[[torch.nn.Module, tuple], Any]) -> tuple[Call
         return built
 
     def real(subject: Subject, _budget: float | None) -> Runnable:
-        return _eager(checkpointed(subject))
+        return _eager(checkpointed(subject), subject)
 
     def simulate(subject: Subject, _budget: float | None) -> Simulated:
-        built = checkpointed(subject)
-        return _in_order(capture_checkpointed(built.model, built.example_inputs, built.loss_fn))
+        return _micro(subject, checkpointed(subject), capture_checkpointed)
 
     return real, simulate
 
@@ -273,12 +424,13 @@ def _compile_real(subject: Subject, budget: float | None) -> Runnable:
     assert budget is not None
     recorder = GraphRecorder()
     compiled = torch.compile(subject.built.model, backend=compile_backend(recorder))
+    inner = _eager(subject.built, subject, compiled)
 
     def step(scope: AbstractContextManager) -> StepResult:
         recorder.scope, calls = scope, recorder.calls
         try:
             with memory_budget(budget):
-                result = eager_step(compiled, subject.inputs, subject.built.loss_fn)
+                result = inner.step(contextlib.nullcontext())
         finally:
             recorder.scope = None
         if recorder.calls == calls:
@@ -286,12 +438,62 @@ def _compile_real(subject: Subject, budget: float | None) -> Runnable:
         grads = {name.removeprefix("_orig_mod."): g for name, g in result.gradients.items()}
         return StepResult(result.loss, grads, {})
 
-    return Runnable(step, subject.built)
+    return Runnable(step, subject.built, inner.gradient_note)
 
 
 def _compile_simulate(subject: Subject, budget: float | None) -> Simulated:
     assert budget is not None
-    return _in_order(capture_partitioned(subject.built.model, subject.inputs, subject.built.loss_fn, budget))
+
+    def trace(model: torch.nn.Module, inputs: tuple, loss_fn: LossFn) -> Graph:
+        return capture_partitioned(model, inputs, loss_fn, budget)
+
+    return _micro(subject, subject.built, trace, compiled=True)
+
+
+def _accumulation_details(subject: Subject, _budget: float | None) -> dict[str, Any]:
+    note = gradient_differences(subject.graph, subject.inputs, subject.micro_batches)
+    return {"micro_batches": subject.micro_batches, "micro_batch": subject.batch_size // subject.micro_batches} | (
+        {"gradient_note": note} if note else {}
+    )
+
+
+def _remat(planner: str) -> tuple[Callable, Callable, Callable]:
+    """``real``, ``simulate`` and ``details`` of a rematerialization baseline (``checkmate``, ``dtr``)."""
+
+    def real(subject: Subject, budget: float | None) -> Runnable:
+        assert budget is not None
+        _, graph, order = subject.remat_plan(planner, budget)
+        return _runtime(subject, order, graph)
+
+    def simulate(subject: Subject, budget: float | None) -> Simulated:
+        assert budget is not None
+        _, graph, order = subject.remat_plan(planner, budget)
+        return graph, order
+
+    def details(subject: Subject, budget: float | None) -> dict[str, Any]:
+        assert budget is not None
+        plan, graph, _ = subject.remat_plan(planner, budget)
+        facts: dict[str, Any] = {
+            "memory_limit_bytes": subject.memory_limit(budget),
+            "recomputed_nodes": len(graph) - len(subject.graph),
+        }
+        if isinstance(plan, CheckmatePlan):
+            coarse = "" if plan.stages == plan.units else f", grouped into {plan.stages} runs of consecutive units"
+            facts |= {
+                "solver": plan.status,
+                "gap": plan.gap,
+                "solve_s": round(plan.seconds, 2),
+                "solved": f"{plan.units} units of {len(subject.graph)} nodes (views folded into producers){coarse}",
+            }
+        elif isinstance(plan, DTRPlan):
+            facts |= {
+                "evictions": plan.evictions,
+                "recomputations": plan.recomputations,
+                "random_ops": "never evicted (no mask is drawn twice)",
+            }
+        return facts
+
+    return real, simulate, details
 
 
 # --------------------------------------------------------------------- magis
@@ -331,13 +533,15 @@ def _optimize_simulate(subject: Subject, budget: float | None) -> Simulated:
     return best.graph, best.order
 
 
+_CHECKPOINT_BLOCK = _checkpointing(lambda model, _inputs: checkpoint_every_block(model))
+_REMAT = {planner: _remat(planner) for planner in ("checkmate", "dtr")}
 register(Method("eager", "eager PyTorch: forward, loss, backward()", PEER, _eager_real, _eager_simulate))
 register(
     Method(
         "checkpoint-block",
         "activation checkpointing of every block (transformers gradient_checkpointing_enable, torch.utils.checkpoint)",
         PEER,
-        *_checkpointing(lambda model, _inputs: checkpoint_every_block(model)),
+        *_CHECKPOINT_BLOCK,
     )
 )
 register(
@@ -356,6 +560,59 @@ register(
         _compile_real,
         _compile_simulate,
         budgeted=True,
+    )
+)
+register(
+    Method(
+        ACCUMULATE,
+        "gradient accumulation: k micro-batches of batch/k, each loss x 1/k, gradients summed in .grad",
+        PEER,
+        _eager_real,
+        _eager_simulate,
+        micro_batched=True,
+        details=_accumulation_details,
+    )
+)
+register(
+    Method(
+        f"{ACCUMULATE}+checkpoint-block",
+        "gradient accumulation over k micro-batches, every block checkpointed",
+        PEER,
+        *_CHECKPOINT_BLOCK,
+        micro_batched=True,
+        details=_accumulation_details,
+    )
+)
+register(
+    Method(
+        f"{ACCUMULATE}+compile",
+        "gradient accumulation over k micro-batches of torch.compile under activation_memory_budget",
+        PEER,
+        _compile_real,
+        _compile_simulate,
+        budgeted=True,
+        micro_batched=True,
+        details=_accumulation_details,
+    )
+)
+register(
+    Method(
+        "checkmate",
+        "Checkmate's optimal rematerialization (MILP solved by HiGHS) of the captured step within the budget",
+        PEER,
+        *_REMAT["checkmate"][:2],
+        budgeted=True,
+        details=_REMAT["checkmate"][2],
+    )
+)
+register(
+    Method(
+        "dtr",
+        "Dynamic Tensor Rematerialization's evictions (cost / (size x staleness)) simulated within the budget",
+        PEER,
+        *_REMAT["dtr"][:2],
+        budgeted=True,
+        details=_REMAT["dtr"][2],
     )
 )
 register(Method("magis-captured", "magis runtime, captured order", MAGIS, _captured_real, _eager_simulate))

@@ -24,9 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(DEFAULT_BUDGETS),
         metavar="B",
-        help="memory budgets in (0, 1]: torch.compile's activation memory budget (compile@B) and "
-        "magis-fission's fraction of the scheduled peak, magis-optimize's memory limit as a fraction of the "
-        f"captured step's peak (default: {' '.join(map(str, DEFAULT_BUDGETS))})",
+        help="memory budgets in (0, 1]: torch.compile's activation memory budget (compile@B), the activations' "
+        "share of the captured peak Checkmate and DTR plan within (checkmate@B, dtr@B), magis-fission's "
+        "fraction of the scheduled peak and magis-optimize's memory limit as a fraction of the captured "
+        f"step's peak (default: {' '.join(map(str, DEFAULT_BUDGETS))})",
     )
     parser.add_argument(
         "--simulate",

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
-
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from magis.frontend.capture import capture_timed
 from magis.ir.graph import Graph
-from magis.models import PRESETS, Built, get_workload
+from magis.models import PRESETS, build_workload
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, presets: tuple[str, ...] = PRESETS) -> None:
@@ -48,24 +44,6 @@ def positive_int(text: str) -> int:
 def log(message: str) -> None:
     """Progress goes to stderr so that --json output stays parseable."""
     print(f"[magis {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def fake_if(enabled: bool) -> Iterator[FakeTensorMode | None]:
-    """Build under ``FakeTensorMode`` (no real memory) when ``enabled``."""
-    if not enabled:
-        yield None
-        return
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        yield mode
-
-
-def build_workload(name: str, preset: str, batch: int | None, seed: int = 0) -> Built:
-    """Real tensors for tiny and small presets; fake tensors for the paper preset."""
-    workload = get_workload(name)
-    with fake_if(preset == "paper"):
-        return workload.build(preset, batch=batch, seed=seed)
 
 
 def load_graph(name: str, preset: str, batch: int | None) -> tuple[Graph, float]:

@@ -14,7 +14,8 @@ import argparse
 from typing import Any
 
 from magis.api import measure_against_eager, optimize
-from magis.commands.common import add_device_argument, add_workload_arguments, build_workload, emit, log
+from magis.commands.common import add_device_argument, add_workload_arguments, emit, log
+from magis.models import build_workload
 from magis.search.m_optimizer import DEFAULT_MAX_STATES
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from magis.api import profile
-from magis.commands.common import add_device_argument, add_workload_arguments, build_workload, emit, log
+from magis.commands.common import add_device_argument, add_workload_arguments, emit, log
+from magis.models import build_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,18 @@
 """Workloads of the MAGIS evaluation (§7.1) and random graphs for scheduler work (§7.3)."""
 
-from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph
+from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph, random_training_graph
 from magis.models.unet import UNet, UNetPlusPlus
-from magis.models.workloads import PRESETS, WORKLOADS, Built, HFTask, SegmentationTask, Workload, get_workload
+from magis.models.workloads import (
+    PRESETS,
+    WORKLOADS,
+    Built,
+    HFTask,
+    SegmentationTask,
+    Workload,
+    build_workload,
+    fake_if,
+    get_workload,
+)
 
 __all__ = [
     "PRESETS",
@@ -13,7 +23,10 @@ __all__ = [
     "UNet",
     "UNetPlusPlus",
     "Workload",
+    "build_workload",
+    "fake_if",
     "get_workload",
     "random_nasnet_graph",
     "random_randwire_graph",
+    "random_training_graph",
 ]

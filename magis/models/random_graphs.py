@@ -192,3 +192,36 @@ def random_randwire_graph(num_nodes: int, seed: int, k: int = 4, p: float = 0.75
         stage_input = b.op("mean", [names[i] for i in range(n) if i not in read], shape)
     b.classifier_loss(stage_input, labels, rng.choice(_CLASSES))
     return b.graph()
+
+
+def random_training_graph(layers: int, seed: int, skip: float = 0.3) -> Graph:
+    """A small training step of ``layers`` layers: ``2 * layers + 2`` nodes, for rematerialization work.
+
+    An input, a forward chain (layer ``i`` reads layer ``i - 1`` and, with probability
+    ``skip``, an earlier layer), a loss, and a backward chain in reverse: the backward
+    of layer ``i`` reads the backward of layer ``i + 1`` and the forward value layer
+    ``i`` read (what autograd saves), so every forward value is live from its forward
+    to its backward, the memory profile checkpointing (Chen et al. 2016) and
+    Checkmate (Jain et al. 2020) trade compute against. Feature maps are float32 of
+    random sizes (64 KiB to 1 MiB); the last backward value is a graph output (a
+    gradient), as is the loss.
+    """
+    if layers < 1:
+        raise ValueError(f"layers must be positive, got {layers}")
+    rng = random.Random(seed)
+    b = _GraphBuilder()
+
+    def shape() -> Shape:
+        return (rng.choice((16, 32, 64, 128, 256)), 1024)
+
+    forward = [b.input(shape())]
+    for _ in range(layers):
+        inputs = [forward[-1]]
+        if len(forward) > 1 and rng.random() < skip:
+            inputs.append(forward[rng.randrange(len(forward) - 1)])
+        forward.append(b.op("layer", inputs, shape()))
+    loss = grad = b.op("loss", [forward[-1]], (), Role.LOSS)
+    for i in range(layers, 0, -1):
+        role = Role.GRADIENT if i == 1 else Role.BACKWARD
+        grad = b.op("layer_backward", [grad, forward[i - 1]], b.shapes[forward[i - 1]], role)
+    return Graph(tuple(b.nodes), (loss, grad))

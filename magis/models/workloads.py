@@ -32,8 +32,9 @@ allocating memory, ready for graph capture.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from magis.models.unet import UNet, UNetPlusPlus
 
@@ -399,3 +401,21 @@ def get_workload(name: str) -> Workload:
         return WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}") from None
+
+
+@contextlib.contextmanager
+def fake_if(enabled: bool) -> Iterator[FakeTensorMode | None]:
+    """Build under ``FakeTensorMode`` (no real memory) when ``enabled``."""
+    if not enabled:
+        yield None
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        yield mode
+
+
+def build_workload(name: str, preset: str, batch: int | None, seed: int = 0) -> Built:
+    """The workload ``name`` built at ``preset``: real tensors for tiny and small, fake ones for paper."""
+    workload = get_workload(name)
+    with fake_if(preset == "paper"):
+        return workload.build(preset, batch=batch, seed=seed)

@@ -218,7 +218,7 @@ def segment_problem(
     facts = memory_facts(graph)
     if pos is None:
         pos = {name: i for i, name in enumerate(order)}
-    units, inert = _group_units(graph, facts, order[lo:hi])
+    units, inert = group_units(graph, facts, order[lo:hi])
     unit_of = {name: u for u, names in enumerate(units) for name in names}
     n = len(units)
     preds_mask = [0] * n
@@ -274,7 +274,7 @@ def segment_problem(
     )
 
 
-def _group_units(graph: Graph, facts: MemoryFacts, names: Sequence[str]) -> tuple[list[list[str]], list[str]]:
+def group_units(graph: Graph, facts: MemoryFacts, names: Sequence[str]) -> tuple[list[list[str]], list[str]]:
     """The units of a segment (a node allocating nothing, without workspace, joins the unit
     of its only predecessor), and its inert nodes."""
     unit_of: dict[str, int] = {}

@@ -1,0 +1,143 @@
+"""The rematerialization baselines: Checkmate's MILP is optimal (against brute force), DTR keeps
+its budget or says it cannot, and both plans replay as graphs within their budgets."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+
+from magis.cost.memory import simulate_memory
+from magis.frontend.capture import capture
+from magis.models import build_workload, random_randwire_graph, random_training_graph
+from magis.search.checkmate import Stages, checkmate_plan, stages
+from magis.search.dtr import dtr_plan
+from magis.search.remat import DoesNotFit, RematProblem, remat_problem, replay, sequence_peak
+
+
+def _cost(name: str) -> float:
+    """Deterministic small integer costs: optima compare exactly."""
+    return 1.0 + sum(map(ord, name)) % 3
+
+
+def brute_force(st: Stages, budget: int) -> float | None:
+    """The least total cost of Checkmate's program, by enumeration: per stage, every set of
+    earlier values to recompute and every set of values to keep, memory walked step by step."""
+    n = len(st)
+    best: dict[frozenset[int], float] = {frozenset(): 0.0}
+    for t in range(n):
+        reachable: dict[frozenset[int], float] = {}
+
+        def useful(i: int, t: int = t) -> bool:  # a later stage may read it, or recompute a reader
+            return any(j > t or j not in st.fixed for j in st.users[i])
+
+        base = st.static + sum(st.kept[:t])
+        for resident, cost in best.items():
+            for r in range(t + 1):
+                for again in itertools.combinations([i for i in range(t) if i not in st.fixed], r):
+                    computed = sorted({*again, t})
+                    have = set(resident)
+                    if any(not set(st.deps[k]) <= have or have.add(k) for k in computed):
+                        continue
+                    pool = [i for i in sorted(have) if useful(i)]
+                    for m in range(len(pool) + 1):
+                        for keep in map(set, itertools.combinations(pool, m)):
+                            live, fits = base + sum(st.size[i] for i in resident), True
+                            for k in computed:
+                                live += st.size[k] + (st.kept[t] if k == t else 0)
+                                if live + st.workspace[k] > budget:
+                                    fits = False
+                                    break
+                                for i in (*st.deps[k], k):
+                                    if i not in keep and not any(j in computed and j > k for j in st.users[i]):
+                                        live -= st.size[i]
+                            total = cost + sum(st.cost[k] for k in computed)
+                            if fits and total < reachable.get(frozenset(keep), float("inf")):
+                                reachable[frozenset(keep)] = total
+        best = reachable
+    return min(best.values(), default=None)
+
+
+def budgets(problem: RematProblem, st: Stages) -> list[int]:
+    """From the least any single step needs to the peak without recomputation."""
+    low = max(
+        st.static + sum(st.kept[: k + 1]) + st.size[k] + st.workspace[k] + sum(st.size[d] for d in st.deps[k])
+        for k in range(len(st))
+    )
+    high = problem.no_remat_peak
+    return sorted({int(low + f * (high - low)) for f in (0.0, 0.35, 0.7, 1.0)})
+
+
+GRAPHS = [
+    *(random_training_graph(layers, seed) for layers, seed in [(3, 0), (3, 1), (4, 2), (4, 3), (4, 4), (4, 5)]),
+    random_randwire_graph(11, seed=3, k=2),
+]
+
+
+@pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: f"{len(g)}-nodes")
+def test_checkmate_equals_brute_force(graph):
+    problem = remat_problem(graph, _cost)
+    st = stages(problem)
+    assert [r for run in st.runs for r in run] == list(range(len(problem)))  # no coarsening at this size
+    solved = 0
+    for budget in budgets(problem, st):
+        expected = brute_force(st, budget)
+        if expected is None:
+            with pytest.raises(DoesNotFit):
+                checkmate_plan(problem, budget)
+            continue
+        plan = checkmate_plan(problem, budget)
+        assert plan.status == "optimal"
+        assert plan.cost == pytest.approx(expected)
+        assert sum(problem.cost[u] for u in plan.sequence) == pytest.approx(expected)
+        plan_graph, order = replay(problem, plan.sequence)
+        assert simulate_memory(plan_graph, order).peak <= budget
+        solved += 1
+    assert solved
+
+
+def test_checkmate_recomputes_to_fit_a_budget_no_order_meets():
+    graph = random_training_graph(4, 4)
+    problem = remat_problem(graph, _cost)
+    budget = min(budgets(problem, stages(problem)))
+    assert budget < problem.no_remat_peak
+    plan = checkmate_plan(problem, budget)
+    assert len(plan.sequence) > len(problem)  # something is computed twice
+    assert plan.cost > sum(problem.cost)
+
+
+@pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: f"{len(g)}-nodes")
+def test_dtr_keeps_its_budget_or_says_it_cannot(graph):
+    problem = remat_problem(graph, _cost)
+    high = problem.no_remat_peak
+    for budget in range(high // 3, high + 1, max(1, high // 12)):
+        try:
+            plan = dtr_plan(problem, budget)
+        except DoesNotFit as err:
+            assert "within" in str(err) or "alone" in str(err)
+            continue
+        assert plan.peak <= budget
+        assert sequence_peak(problem, plan.sequence) <= budget
+        plan_graph, order = replay(problem, plan.sequence)
+        assert simulate_memory(plan_graph, order).peak <= budget
+
+
+def test_random_ops_are_never_recomputed():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    built = build_workload("bert-base", "tiny", None)  # dropout p=0.1 in every layer
+    graph = capture(built.model, built.example_inputs, built.loss_fn)
+    problem = remat_problem(graph, lambda _name: 1.0)
+    random_units = {u for u, names in enumerate(problem.units) if any(graph[n].random for n in names)}
+    assert random_units and random_units <= problem.once
+    recomputed = 0
+    for percent in range(95, 40, -5):  # down to where DTR cannot fit
+        try:
+            plan = dtr_plan(problem, problem.no_remat_peak * percent // 100)
+        except DoesNotFit:
+            break
+        recomputed += plan.recomputations
+        assert all(plan.sequence.count(u) == 1 for u in random_units)
+    assert recomputed > 0
+    with pytest.raises(ValueError, match="twice"):
+        replay(problem, [*range(len(problem)), min(random_units)])
