@@ -177,3 +177,31 @@ def test_a_tiny_kernel_costs_its_launch_and_a_huge_one_its_bandwidth() -> None:
     expected = profile.memory_latency_s + moved / profile.bytes_per_second
     assert model.node_seconds(relu, "relu") == pytest.approx(expected)
     assert expected == pytest.approx(moved / profile.bytes_per_second, rel=1e-3)
+
+
+def test_convolutions_and_batch_norm_are_priced_as_measured_on_an_h100() -> None:
+    """cuDNN convolutions run below their implicit GEMM's rate and training batch norm makes
+    several passes (``CONV_EFFICIENCY``, ``BATCH_NORM_PASSES``, measured with
+    bench/gpu_fidelity.py): each lengthens exactly its own kind of node."""
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import magis
+
+    with FakeTensorMode():
+        model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU())
+        x = torch.randn(32, 64, 56, 56)
+    graph = magis.capture(model, (x,), lambda out: out.sum())
+    h100 = DEVICE_PROFILES["h100"]
+    calibrated = AnalyticCostModel(h100)
+    ideal = AnalyticCostModel(dataclasses.replace(h100, conv_efficiency=1.0, batch_norm_passes=1.0))
+    kinds = {"conv": 0, "batch_norm": 0}
+    for node in graph.nodes:
+        ratio = calibrated.node_seconds(graph, node.name) / max(ideal.node_seconds(graph, node.name), 1e-30)
+        kind = next((k for k in kinds if k in node.op_name), None)
+        if kind is None:
+            assert ratio == pytest.approx(1.0) or ideal.node_seconds(graph, node.name) == 0
+        else:
+            kinds[kind] += 1
+            assert ratio > 1.5, node.op_name
+    assert kinds["conv"] >= 2 and kinds["batch_norm"] >= 2  # forward and backward of each
