@@ -48,6 +48,16 @@ def in_float64(built: Built) -> Built:
     return Built(built.model.double(), inputs, built.loss_fn)
 
 
+def eager_reference(built: Built) -> dict[str, torch.Tensor]:
+    """Eager PyTorch's gradients and loss, seeded with :data:`SEED`; the buffers left as they were."""
+    model, inputs = built.model, built.example_inputs
+    snapshot = buffers_snapshot(model)
+    torch.manual_seed(SEED)
+    step = eager_step(model, inputs, built.loss_fn)
+    restore_buffers(model, snapshot)
+    return {**step.gradients, "<loss>": step.loss}
+
+
 @dataclass(frozen=True)
 class Captured:
     built: Built
@@ -59,13 +69,7 @@ class Captured:
 
     @cached_property
     def reference(self) -> dict[str, torch.Tensor]:
-        """Eager PyTorch's gradients and loss, seeded with :data:`SEED`."""
-        model, inputs = self.built.model, self.built.example_inputs
-        snapshot = buffers_snapshot(model)
-        torch.manual_seed(SEED)
-        step = eager_step(model, inputs, self.built.loss_fn)
-        restore_buffers(model, snapshot)
-        return {**step.gradients, "<loss>": step.loss}
+        return eager_reference(self.built)
 
 
 def captured(built: Built, separable: bool = False) -> Captured:

@@ -14,10 +14,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fission import SEED, assert_runs_like_eager, in_float64
+from test_fission import SEED, assert_runs_like_eager, eager_reference, in_float64
 from torch import nn
 
-from magis.backend.eager import buffers_snapshot, eager_step, max_relative_error, restore_buffers
+from magis.backend.eager import max_relative_error
 from magis.backend.meter import CudaPeakMeter
 from magis.backend.runtime import run_step
 from magis.cost.latency import AnalyticCostModel, cost_model, estimate_latency
@@ -47,12 +47,7 @@ class Step:
 
     @cached_property
     def reference(self) -> dict[str, torch.Tensor]:
-        model, inputs = self.built.model, self.built.example_inputs
-        snapshot = buffers_snapshot(model)
-        torch.manual_seed(SEED)
-        step = eager_step(model, inputs, self.built.loss_fn)
-        restore_buffers(model, snapshot)
-        return {**step.gradients, "<loss>": step.loss}
+        return eager_reference(self.built)
 
     @property
     def peak(self) -> int:
