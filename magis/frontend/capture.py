@@ -295,19 +295,41 @@ def _without_stack_traces() -> Iterator[None]:
 
 
 def _parameters_without_gradient(step: _TrainingStep, inputs: tuple) -> list[torch.nn.Parameter]:
-    """Trainable parameters the loss does not depend on (e.g. BERT's pooler under an MLM loss).
+    """Trainable parameters the loss has no gradient path to: unread (BERT's pooler under an
+    MLM loss) or read only where no gradient flows (an index or a comparison: MRA, Canine).
 
-    AOTAutograd refuses to export a joint graph where a parameter gets no gradient,
-    so these are found from a forward-only export and frozen for the capture.
+    AOTAutograd refuses to export a joint graph where a parameter gets no gradient, so
+    the loss is computed once on fake tensors and its autograd graph walked back to
+    the leaves it reaches; the others are frozen for the capture.
     """
-    gm, sig = aot_export_module(step, inputs, trace_joint=False)
-    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     params = dict(step.named_parameters())
-    return [
-        params[name]
-        for node, name in sig.inputs_to_parameters.items()
-        if not placeholders[node].users and params[name].requires_grad
-    ]
+    faked = [t for t in (*params.values(), *inputs) if isinstance(t, FakeTensor)]
+    mode = faked[0].fake_mode if faked else FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = {name: _fake_leaf(p, mode) for name, p in params.items()}
+    with mode, torch.enable_grad():
+        args = tuple(_fake_leaf(x, mode) if isinstance(x, torch.Tensor) else x for x in inputs)
+        (loss,) = torch.func.functional_call(step, fakes, args)
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # AccumulateGrad: a leaf the gradient reaches
+            reached.add(id(fn.variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return [params[name] for name, fake in fakes.items() if fake.requires_grad and id(fake) not in reached]
+
+
+def _fake_leaf(tensor: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """``tensor`` as a fake tensor of ``mode`` (itself if it is one), a leaf that requires
+    grad as the original does."""
+    if isinstance(tensor, FakeTensor):
+        return tensor
+    fake = mode.from_tensor(tensor.detach())
+    return fake.requires_grad_(tensor.requires_grad)
 
 
 @contextlib.contextmanager
