@@ -2,8 +2,9 @@
 
 For every workload of ``magis.models.WORKLOADS`` at each preset of ``--presets``
 (``tiny`` and ``small`` by default): capture the step, estimate its latency with the
-profiled cost model of this machine (``magis.cost.latency.ProfiledCostModel``: the
-operators' times plus the runtime's own costs), run the captured graph in
+profiled cost model of this machine (``magis.cost.latency.ProfiledCostModel``: on
+CPU each operator timed inside a run of its step on random inputs, plus the
+runtime's loop and the binding of the inputs), run the captured graph in
 the same order through the magis runtime and time it (median of ``--runs`` steps
 after warm-up), and report the relative error (simulated - measured) / measured. The
 step is timed in wall-clock and in process CPU time: on a machine shared with other

@@ -222,3 +222,26 @@ def test_max_relative_error_sees_real_errors_not_round_off():
         max_relative_error({"a": big}, {})
     with pytest.raises(GradientMismatch, match="does not compute for b"):
         max_relative_error({"a": big}, {"a": big, "b": tiny})
+
+
+def test_binding_finds_every_parameter_and_buffer_by_each_of_its_names():
+    from magis.backend.runtime import module_tensors
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = nn.BatchNorm1d(3)
+            self.register_buffer("scratch", torch.zeros(2), persistent=False)
+            self.register_buffer("absent", None)
+
+    model = Tied()
+    params, buffers = module_tensors(model)
+    expected_params = dict(model.named_parameters(remove_duplicate=False))
+    expected_buffers = dict(model.named_buffers(remove_duplicate=False))
+    assert list(params) == list(expected_params) and "head.weight" in params
+    assert all(params[name] is tensor for name, tensor in expected_params.items())
+    assert list(buffers) == list(expected_buffers) and "scratch" in buffers and "absent" not in buffers
+    assert all(buffers[name] is tensor for name, tensor in expected_buffers.items())

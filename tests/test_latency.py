@@ -24,7 +24,15 @@ from magis.cost.latency import (
     node_flops,
     node_gemms,
 )
-from magis.cost.profiler import default_cache_path, measurable, op_key, random_tensor, replay_strides
+from magis.cost.profiler import (
+    bound_modules,
+    default_cache_path,
+    in_step_key,
+    measurable,
+    op_key,
+    random_tensor,
+    replay_strides,
+)
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
 
@@ -244,7 +252,9 @@ def test_profiler_measures_each_operator_once_and_caches_on_disk(conv_linear: Gr
     assert all(math.isfinite(s) and s >= 0 for s in timeline.per_node_s)
     assert timeline.total_s > 0
     assert estimate_latency(conv_linear, order, first) == timeline
-    assert first.measurements == len(json.loads(path.read_text())["ops"])
+    cached = json.loads(path.read_text())
+    assert first.measurements == len(cached["in_step"]) + len(cached["ops"])
+    assert cached["in_step"] and not cached["ops"]  # on CPU the step ran in place: nothing was timed alone
 
     again = ProfiledCostModel(cache_path=path, repeats=2)
     assert estimate_latency(conv_linear, order, again) == timeline
@@ -254,8 +264,8 @@ def test_profiler_measures_each_operator_once_and_caches_on_disk(conv_linear: Gr
 def test_the_runtime_costs_are_measured_cached_and_added(
     conv_linear: Graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """simulated total = the operators' profiled times + getitems x getitem_s
-    + instructions x instruction_s, every non-input node being one instruction."""
+    """simulated total = the instructions timed in their step + instructions x instruction_s
+    + the binding of the inputs (module_s per module path, input_s per input)."""
     path = tmp_path / "latency.json"
     order = order_of(conv_linear)
     model = ProfiledCostModel(cache_path=path, repeats=2)
@@ -263,16 +273,23 @@ def test_the_runtime_costs_are_measured_cached_and_added(
     cached = json.loads(path.read_text())["runtime_costs"]
     assert 0 <= cached["instruction_s"] < 1e-4  # beyond mapping and calling, the runtime does little
     assert 0 < cached["getitem_s"] < 1e-4
+    assert 0 < cached["module_s"] + cached["input_s"] < 1e-4
     assert asdict(model.runtime_costs) == cached
     strides = replay_strides(conv_linear)
-    ops = sum(model.cache.ops[op_key(conv_linear, n.name, strides)] or 0.0 for n in conv_linear.nodes if measurable(n))
-    getitems = sum(1 for n in conv_linear.nodes if n.op_name == "getitem")
-    instructions = sum(1 for n in conv_linear.nodes if not n.is_input)
-    assert getitems > 0
-    assert total == pytest.approx(ops + getitems * cached["getitem_s"] + instructions * cached["instruction_s"])
+    keys = {n.name: op_key(conv_linear, n.name, strides) for n in conv_linear.nodes if measurable(n)}
+    in_step = model.cache.in_step
+    instructions = [n.name for n in conv_linear.nodes if not n.is_input]
+    assert any(conv_linear[n].op_name == "getitem" for n in instructions)
+    assert all(in_step_key(conv_linear, n, keys) in in_step for n in instructions)
+    timed = sum(in_step[in_step_key(conv_linear, n, keys)] for n in instructions)
+    inputs = sum(1 for n in conv_linear.nodes if n.is_input)
+    modules = bound_modules(conv_linear.signature)
+    assert modules == 3  # the root, the convolution and the linear layer hold the parameters
+    binding = modules * cached["module_s"] + inputs * cached["input_s"]
+    assert total == pytest.approx(timed + len(instructions) * cached["instruction_s"] + binding)
 
     data = json.loads(path.read_text())
-    data["runtime_costs"] = {"instruction_s": 1e-3, "getitem_s": 1e-2}
+    data["runtime_costs"] = {"instruction_s": 1e-3, "getitem_s": 1e-2, "module_s": 1e-4, "input_s": 1e-5}
     path.write_text(json.dumps(data))
 
     def never(*args: object) -> float:
@@ -280,9 +297,25 @@ def test_the_runtime_costs_are_measured_cached_and_added(
 
     monkeypatch.setattr("magis.cost.latency.measure_runtime_costs", never)
     again = ProfiledCostModel(cache_path=path, repeats=2)
-    expected = ops + getitems * 1e-2 + instructions * 1e-3
+    expected = timed + len(instructions) * 1e-3 + modules * 1e-4 + inputs * 1e-5
     assert estimate_latency(conv_linear, order, again).total_s == pytest.approx(expected)
     assert again.measurements == 0
+
+
+def test_a_step_that_cannot_run_in_place_is_timed_operator_by_operator(
+    conv_linear: Graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setattr("magis.cost.latency.measure_in_step", fails)
+    model = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2)
+    timeline = estimate_latency(conv_linear, order_of(conv_linear), model)
+    assert not model.cache.in_step
+    assert model.measurements == len(model.cache.ops) > 0
+    getitem = order_of(conv_linear).index(next(n.name for n in conv_linear.nodes if n.op_name == "getitem"))
+    costs = model.runtime_costs
+    assert timeline.per_node_s[getitem] == pytest.approx(costs.getitem_s + costs.instruction_s)
 
 
 def test_identical_operators_are_measured_once(tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ import magis
 from magis.api import parse_bytes
 from magis.backend.meter import LiveTensorMeter, resident_tensors
 from magis.cost.latency import cost_model, estimate_latency
-from magis.frontend.capture import capture
+from magis.frontend.capture import capture, default_loss
 from magis.ir.graph import Ref, Role
+from magis.models import WORKLOADS, build_workload
 from magis.rules.builder import NodeBuilder
 from magis.rules.rewrite import Rewrite
 from magis.search.graph_hash import wl_hash
@@ -132,6 +133,48 @@ def test_memory_limit_is_met_for_real_and_simulated_within_two_percent():
     with LiveTensorMeter(resident_tensors(model, [x, *constants])) as meter:
         plan(x)
     assert meter.peak_bytes <= limit * 1.02
+    assert abs(meter.peak_bytes - plan.peak_bytes) <= 0.02 * plan.peak_bytes
+
+
+#: resnet50's batch norm cannot be split along the batch, and within the test's states
+#: remat and swap alone reach 0.72 of its peak, not 0.6 (the M-Optimizer issue's open gap)
+BATCH_NORM_GAP = pytest.mark.xfail(reason="the search does not reach 0.6 without fission", strict=True)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=BATCH_NORM_GAP) if n == "resnet50" else n for n in WORKLOADS])
+def test_each_tiny_workload_trains_ten_adamw_steps_like_eager_within_a_limit_of_0_6(name):
+    """MAGIS' seven workloads, tiny, at eight times the tiny batch (at the tiny batch the
+    weights alone take over 0.6 of most steps), float64, dropout live: a plan for 0.6 of
+    the captured peak trains like eager PyTorch, step after step, within its limit."""
+    workload = WORKLOADS[name]
+    built = build_workload(name, "tiny", 8 * workload.presets["tiny"]["batch"], seed=0)
+    model = built.model.double()
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in built.example_inputs)
+    reference = copy.deepcopy(model)
+    plan = plan_for(model, *inputs, loss_fn=built.loss_fn, memory_limit=0.6)
+    assert plan.peak_bytes <= 0.6 * plan.baseline_peak_bytes
+
+    def planned(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return plan(*batch)
+
+    def adamw(step, model: nn.Module) -> list[float]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        torch.manual_seed(5)
+        losses = []
+        for _ in range(10):
+            losses.append(float(step(model, inputs)))
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    expected = adamw(eager(built.loss_fn or default_loss), reference)
+    assert adamw(planned, model) == pytest.approx(expected, rel=1e-6)  # some heads compute the loss in float32
+    assert_same_state(model, reference)
+
+    constants = [n.target.value for n in plan.graph.nodes if n.role is Role.CONSTANT]
+    with LiveTensorMeter(resident_tensors(model, [*inputs, *constants])) as meter:
+        plan(*inputs)
+    assert meter.peak_bytes <= 0.6 * plan.baseline_peak_bytes * 1.02
     assert abs(meter.peak_bytes - plan.peak_bytes) <= 0.02 * plan.peak_bytes
 
 

@@ -9,8 +9,9 @@ from test_fission import assert_runs_like_eager, captured, in_float64
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
 from magis.bench import methods
-from magis.bench.methods import METHODS, Subject
+from magis.bench.methods import METHODS, Subject, variants
 from magis.bench.protocol import measure_peak
+from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.models import WORKLOADS
 from magis.schedule import schedule
@@ -95,4 +96,25 @@ def test_magis_optimize_method_runs_with_eagers_gradients_and_its_simulated_peak
     captured = simulate_memory(subject.graph, [n.name for n in subject.graph.nodes]).peak
     assert simulated <= 0.8 * captured
     assert abs(simulated - peak) <= 0.02 * peak
+    assert max_relative_error(reference.gradients, result.gradients) < 1e-4
+
+
+def test_magis_optimize_lat_method_keeps_its_latency_limit_and_eagers_gradients(monkeypatch):
+    monkeypatch.setattr(methods, "OPTIMIZE_STATES", 12)
+    assert [v.name for v in variants(["magis-optimize-lat"])] == [
+        "eager",
+        *(f"magis-optimize-lat@{limit:g}" for limit in methods.LATENCY_LIMITS),
+    ]
+    subject = Subject("gpt-neo-1.3b", "tiny")
+    eager = METHODS["eager"].real(subject, None)
+    _, reference = measure_peak(eager.step, resident_tensors(eager.built.model, eager.built.example_inputs))
+    method = METHODS["magis-optimize-lat"]
+    graph, order = method.simulate(subject, 1.1)
+    model = cost_model("cpu")
+    captured = [n.name for n in subject.graph.nodes]
+    baseline_s = estimate_latency(subject.graph, captured, model).total_s
+    assert estimate_latency(graph, order, model).total_s <= 1.1 * baseline_s
+    assert simulate_memory(graph, order).peak <= simulate_memory(subject.graph, captured).peak
+    runnable = method.real(subject, 1.1)
+    _, result = measure_peak(runnable.step, resident_tensors(subject.built.model, subject.inputs))
     assert max_relative_error(reference.gradients, result.gradients) < 1e-4

@@ -12,6 +12,7 @@ eager step mutates BatchNorm statistics in place).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,10 +93,25 @@ def lower(graph: Graph, order: Sequence[str] | None = None) -> Program:
     return Program(graph, order, tuple(instructions))
 
 
+def module_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The module's parameters and buffers by qualified name (tied ones under every
+    name), found in one walk over its submodules: binding runs at every step."""
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, tensor in module._parameters.items():
+            if tensor is not None:
+                params[dot + name] = tensor
+        for name, tensor in module._buffers.items():
+            if tensor is not None:
+                buffers[dot + name] = tensor
+    return params, buffers
+
+
 def bind(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) -> dict[str, Any]:
     """The graph's input nodes bound to the module's tensors and the user inputs."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
+    params, buffers = module_tensors(model)
     sig = graph.signature
     env: dict[str, Any] = {}
     for node, pname in sig.parameters.items():
@@ -119,15 +135,23 @@ def bind(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) ->
     return env
 
 
-def execute(program: Program, env: dict[str, Any]) -> dict[str, Any]:
-    """Run the instructions; ``env`` holds the bound inputs and receives the outputs."""
+def execute(program: Program, env: dict[str, Any], seconds: list[float] | None = None) -> dict[str, Any]:
+    """Run the instructions; ``env`` holds the bound inputs and receives the outputs.
+
+    With ``seconds``, the wall time of each instruction (mapping its arguments, the
+    call, freeing what died) is appended to it: the in-step profile of
+    :func:`magis.cost.profiler.measure_in_step`.
+    """
 
     def value(ref: Ref) -> Any:
         return env[ref.name]
 
     streams = _transfer_streams(program, env)
+    clock = time.perf_counter
     with torch.no_grad():
         for ins in program.instructions:
+            if seconds is not None:
+                start = clock()
             args = map_refs(ins.args, value)
             kwargs = map_refs(ins.kwargs, value) if ins.kwargs else {}
             if streams is None:
@@ -140,6 +164,8 @@ def execute(program: Program, env: dict[str, Any]) -> dict[str, Any]:
             del args, kwargs
             for name in ins.free:
                 del env[name]
+            if seconds is not None:
+                seconds.append(clock() - start)
         if streams is not None:
             streams.finish()
     return env

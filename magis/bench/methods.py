@@ -52,6 +52,9 @@ magis:
   step, as magis sees it): the lowest simulated latency within it, or the lowest peak
   when nothing fits (``magis-optimize@0.5``). Its latencies are priced by the local
   device's profiled cost model for tiny/small presets and by ``h200`` for paper.
+- ``magis-optimize-lat`` — the same search in latency-limit mode: the lowest simulated
+  peak within ``L`` times the captured step's simulated latency, one variant per
+  limit of :data:`LATENCY_LIMITS` (``magis-optimize-lat@1.1``; MAGIS Fig. 9).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from magis.backend.runtime import StepResult, lower, run_program
 from magis.bench.accumulation import accumulated_graph, gradient_differences
 from magis.bench.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
 from magis.bench.protocol import Step
-from magis.cost.latency import cost_model
+from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import CaptureError, LossFn, capture, default_loss
 from magis.frontend.checkpointed import capture_checkpointed
@@ -86,7 +89,7 @@ from magis.ir.graph import Graph
 from magis.models import Built, build_workload, get_workload
 from magis.search.checkmate import CheckmatePlan, checkmate_plan
 from magis.search.dtr import DTRPlan, dtr_plan
-from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, m_optimize
+from magis.search.m_optimizer import DEFAULT_MAX_STATES, Mode, Objective, m_optimize
 from magis.search.remat import DoesNotFit, RematProblem, remat_problem, replay
 from magis.search.single_fission import SingleFission, choose_within, single_fission_options
 from magis.search.state import MState
@@ -125,7 +128,7 @@ class Subject:
     batch: int | None = None
     seed: int = 0
     built: Built = field(init=False)
-    _searches: dict[float, MState] = field(init=False, default_factory=dict, repr=False)
+    _searches: dict[tuple[Mode, float], MState] = field(init=False, default_factory=dict, repr=False)
     #: set on the subjects of gradient accumulation (:meth:`accumulating`): k micro-batches of batch / k
     micro_batches: int = 1
 
@@ -189,18 +192,19 @@ class Subject:
         """magis' best single fission within ``budget`` times the scheduled peak."""
         return choose_within(self.single_fissions, int(budget * self.single_fissions[0].peak_bytes))
 
-    def optimized(self, budget: float) -> MState:
-        """The M-Optimizer's best state within ``budget`` times the captured step's simulated
-        peak (memory-limit mode), searched once per budget."""
-        if budget not in self._searches:
-            device = "h200" if self.preset == "paper" else "cpu"
+    def optimized(self, limit: float, mode: Mode = "memory") -> MState:
+        """The M-Optimizer's best state within ``limit`` times the captured step's simulated
+        peak (``memory`` mode) or latency (``latency`` mode), searched once per limit."""
+        if (mode, limit) not in self._searches:
+            model = cost_model("h200" if self.preset == "paper" else "cpu")
             captured = [n.name for n in self.graph.nodes]
-            objective = Objective("memory", int(budget * simulate_memory(self.graph, captured).peak))
-            result = m_optimize(
-                self.graph, objective, cost_model(device), OPTIMIZE_SECONDS, OPTIMIZE_STATES, progress=False
-            )
-            self._searches[budget] = result.best
-        return self._searches[budget]
+            if mode == "memory":
+                objective = Objective(mode, memory_bytes=int(limit * simulate_memory(self.graph, captured).peak))
+            else:
+                objective = Objective(mode, latency_s=limit * estimate_latency(self.graph, captured, model).total_s)
+            result = m_optimize(self.graph, objective, model, OPTIMIZE_SECONDS, OPTIMIZE_STATES, progress=False)
+            self._searches[mode, limit] = result.best
+        return self._searches[mode, limit]
 
     @cached_property
     def remat_problem(self) -> RematProblem:
@@ -262,6 +266,8 @@ class Method:
     real: Callable[[Subject, float | None], Runnable]
     simulate: Callable[[Subject, float | None], Simulated]
     budgeted: bool = False  # runs once per activation memory budget
+    #: runs once per latency limit (a ratio to the captured step's simulated latency), not per budget
+    latency_limits: tuple[float, ...] = ()
     micro_batched: bool = False  # runs once per micro-batch count k > 1 dividing the batch (accumulation)
     #: facts of a variant's plan for its row (solver status, solve time...), ``None``: none
     details: Callable[[Subject, float | None], dict[str, Any]] | None = None
@@ -303,6 +309,8 @@ class Variant:
 METHODS: dict[str, Method] = {}
 REFERENCE = "eager"
 DEFAULT_BUDGETS = (1.0, 0.5, 0.1)
+#: the latency limits of latency-limited methods: MAGIS Fig. 9's 5% and 10% overheads
+LATENCY_LIMITS = (1.05, 1.10)
 #: the prefix of the micro-batched methods' names
 ACCUMULATE = "accumulate"
 
@@ -337,7 +345,8 @@ def variants(
     for name in ordered:
         method = METHODS[name]
         for k in counts if method.micro_batched else [None]:
-            out += [Variant(method, b, k) for b in budgets] if method.budgeted else [Variant(method, None, k)]
+            limits = budgets if method.budgeted else method.latency_limits or [None]
+            out += [Variant(method, limit, k) for limit in limits]
     return out
 
 
@@ -521,16 +530,20 @@ def _fission_simulate(subject: Subject, budget: float | None) -> Simulated:
     return chosen.graph, chosen.order
 
 
-def _optimize_real(subject: Subject, budget: float | None) -> Runnable:
-    assert budget is not None
-    best = subject.optimized(budget)
-    return _runtime(subject, best.order, best.graph)
+def _optimizer(mode: Mode) -> tuple[Callable[[Subject, float | None], Runnable], Callable[..., Simulated]]:
+    """The M-Optimizer's real and simulated step in ``mode``, the variant's limit as its limit."""
 
+    def real(subject: Subject, limit: float | None) -> Runnable:
+        assert limit is not None
+        best = subject.optimized(limit, mode)
+        return _runtime(subject, best.order, best.graph)
 
-def _optimize_simulate(subject: Subject, budget: float | None) -> Simulated:
-    assert budget is not None
-    best = subject.optimized(budget)
-    return best.graph, best.order
+    def simulate(subject: Subject, limit: float | None) -> Simulated:
+        assert limit is not None
+        best = subject.optimized(limit, mode)
+        return best.graph, best.order
+
+    return real, simulate
 
 
 _CHECKPOINT_BLOCK = _checkpointing(lambda model, _inputs: checkpoint_every_block(model))
@@ -632,8 +645,16 @@ register(
         "magis-optimize",
         "magis' M-Optimizer (MAGIS Alg. 3): lowest simulated latency within budget x the captured step's peak",
         MAGIS,
-        _optimize_real,
-        _optimize_simulate,
+        *_optimizer("memory"),
         budgeted=True,
+    )
+)
+register(
+    Method(
+        "magis-optimize-lat",
+        "magis' M-Optimizer (MAGIS Alg. 3): lowest simulated peak within L x the captured step's latency",
+        MAGIS,
+        *_optimizer("latency"),
+        latency_limits=LATENCY_LIMITS,
     )
 )

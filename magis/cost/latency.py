@@ -37,14 +37,19 @@ from tqdm import tqdm
 
 from magis.cost.device_profiles import DEVICE_PROFILES, DeviceProfile
 from magis.cost.kernel_model import Gemm, gemm_seconds, kernel_seconds, stream_seconds
+from magis.cost.memory import peak_memory
 from magis.cost.profiler import (
     LatencyCache,
     NodeStrides,
     RuntimeCosts,
     bind_arguments,
+    binding_seconds,
     default_cache_path,
+    host_memory_bytes,
+    in_step_key,
     measurable,
     measure_device_profile,
+    measure_in_step,
     measure_nodes,
     measure_runtime_costs,
     op_key,
@@ -64,6 +69,8 @@ _FLOP_ALIASES = {
 
 #: measuring at least this many operators shows a progress bar.
 PROGRESS_MIN_OPS = 10
+#: a CPU step is timed in place only if its peak takes at most this share of the machine's memory.
+IN_STEP_MEMORY_SHARE = 0.25
 
 
 class CostModel(Protocol):
@@ -261,17 +268,20 @@ class ProfiledCostModel:
     """Operator times measured on this machine (MAGIS §5: the simulator's per-op profile).
 
     The first time a graph is priced, every distinct operator application it holds
-    that is not in the cache yet is run on random inputs of its recorded shapes,
-    dtypes and strides and timed (median of ``repeats`` samples after a warm-up); the
-    times go to a JSON cache on disk (``cache_path``, by default under
-    ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run measures nothing.
-    Views are timed too: on this device they cost their dispatch overhead. On CPU,
-    every node the runtime runs as an instruction (all but the graph's inputs) also
-    costs the runtime's own work around the call, and a ``getitem`` the mapping and
-    picking of its element (:attr:`runtime_costs`, measured once and kept in the same
-    cache): a simulated step is the sum of its operators and ``getitem`` s plus
-    ``instructions x instruction_s``. On CUDA that host work runs while earlier
-    kernels execute, and is not added. An
+    that is not in the cache yet is timed on random inputs of its recorded shapes,
+    dtypes and strides; the times go to a JSON cache on disk (``cache_path``, by
+    default under ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run
+    measures nothing. On CPU the whole step runs in place and each instruction is
+    timed where it stands (:func:`~magis.cost.profiler.measure_in_step`, the mean of
+    ``repeats`` runs after a warm-up; ``getitem`` s and views included), which is what
+    the runtime pays: isolated operators run 10-20% faster than inside a step. Each
+    instruction also costs the runtime's loop around it, and each step binds its
+    inputs (:attr:`runtime_costs`, measured once and kept in the same cache; the
+    binding is spread over the input nodes). An operator the step could not time is
+    timed alone (fastest of ``repeats`` samples after a warm-up, in turns with its
+    neighbours), plus the runtime's own work around the call. On CUDA the operators
+    are timed alone; the host's work runs while earlier kernels execute, and is not
+    added. An
     operator that cannot be run (an abstract target, or one that fails) is priced by
     an :class:`AnalyticCostModel` over a crude roofline of this device, itself
     measured once and cached.
@@ -327,12 +337,23 @@ class ProfiledCostModel:
     def _price(self, graph: Graph) -> dict[str, float]:
         strides = replay_strides(graph)
         keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
-        self._measure(graph, keys, strides)
+        step_keys: dict[str, str] = {}
+        if self.device.type == "cpu":
+            for node in graph.nodes:
+                key = None if node.is_input else in_step_key(graph, node.name, keys)
+                if key is not None:
+                    step_keys[node.name] = key
+            self._measure_in_step(graph, step_keys, strides)
+        in_step = {name: self.cache.in_step[key] for name, key in step_keys.items() if key in self.cache.in_step}
+        self._measure(graph, {name: key for name, key in keys.items() if name not in in_step}, strides)
         runtime = self.runtime_costs
+        inputs = sum(1 for node in graph.nodes if node.is_input)
         seconds = {}
         for node in graph.nodes:
             if node.is_input:
-                seconds[node.name] = 0.0
+                seconds[node.name] = binding_seconds(graph, runtime) / inputs
+            elif node.name in in_step and _delegated_seconds(node, self) is None:
+                seconds[node.name] = in_step[node.name] + runtime.instruction_s
             elif node.target is operator.getitem:
                 seconds[node.name] = runtime.getitem_s + runtime.instruction_s
             else:
@@ -340,12 +361,48 @@ class ProfiledCostModel:
         return seconds
 
     def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
-        """An operator's (or a region's) own work, without the runtime's cost per instruction."""
+        """An operator's (or a region's) own work timed alone, without the runtime's cost per instruction."""
         delegated = _delegated_seconds(node, self)
         if delegated is not None:
             return delegated
         measured = self.cache.ops.get(key) if key is not None else None
         return measured if measured is not None else self.fallback.node_seconds(graph, node.name)
+
+    def _measure_in_step(self, graph: Graph, step_keys: dict[str, str], strides: dict[str, NodeStrides]) -> None:
+        """Time the step in place (:func:`~magis.cost.profiler.measure_in_step`) when it
+        holds a key not cached yet; a key's time is the mean over the nodes that share it.
+
+        A step that cannot run here (an operator that fails on random inputs, a peak
+        above :data:`IN_STEP_MEMORY_SHARE` of this machine's memory) is left to the
+        operators' isolated times.
+        """
+        if all(key in self.cache.in_step for key in step_keys.values()):
+            return
+        order = [node.name for node in graph.nodes]
+        if peak_memory(graph, order) > IN_STEP_MEMORY_SHARE * host_memory_bytes():
+            log.info("the step needs too much memory to run here: timing its operators alone")
+            return
+        bar = tqdm(
+            total=self.repeats + 1,
+            desc=f"magis: timing the step's {len(graph)} nodes in place",
+            unit="run",
+            leave=False,
+            disable=not self.progress or len(step_keys) < PROGRESS_MIN_OPS,
+        )
+        try:
+            times = measure_in_step(graph, strides, self.device, self.repeats, on_run=bar.update)
+        except Exception as err:  # any step that cannot run here is priced by its operators timed alone
+            log.info("could not run the step in place (%s): timing its operators alone", err)
+            return
+        finally:
+            bar.close()
+        by_key: dict[str, list[float]] = {}
+        for name, key in step_keys.items():
+            if key not in self.cache.in_step:
+                by_key.setdefault(key, []).append(times[name])
+        self.cache.in_step.update((key, sum(ts) / len(ts)) for key, ts in by_key.items())
+        self.measurements += len(by_key)
+        self.cache.save()
 
     def _measure(self, graph: Graph, keys: dict[str, str], strides: dict[str, NodeStrides]) -> None:
         """Time every operator of ``keys`` whose key is not cached yet, then save the cache."""
