@@ -20,7 +20,7 @@ from functools import cached_property
 from types import MappingProxyType
 
 from magis.analysis.dim_rules import Axis, AxisMap, OpDims, op_dims, opaque_dims
-from magis.ir.graph import Graph, iter_refs
+from magis.ir.graph import Graph
 
 Vertex = tuple[str, Axis]
 
@@ -79,7 +79,7 @@ def _sources(graph: Graph, name: str) -> Iterator[tuple[str, int]]:
     """(node, element) of every tensor argument of ``name``, in ``iter_refs`` order."""
     node = graph[name]
     element = node.args[1] if node.target is operator.getitem else 0
-    for ref in iter_refs((node.args, node.kwargs)):
+    for ref in node.refs:
         yield ref.name, element
 
 

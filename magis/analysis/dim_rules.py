@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from magis.ir.graph import Graph, Node, Ref, iter_refs
+from magis.ir.graph import Graph, Node, Ref
 
 Axis = int
 Shape = tuple[int, ...]
@@ -119,7 +119,7 @@ class OpCall:
         for meta, axes in zip(self.node.outputs, outputs):
             if meta is not None and axes is not None:
                 _collect_lengths(lengths, meta.shape, axes)
-        for ref, axes in zip(iter_refs((self.node.args, self.node.kwargs)), per_ref):
+        for ref, axes in zip(self.node.refs, per_ref):
             _collect_lengths(lengths, self.shapes[ref.name], axes)
         for red in reductions:
             missing = red - lengths.keys()
@@ -696,7 +696,7 @@ def op_dims(graph: Graph, name: str, source: OpDims | None = None) -> OpDims | N
     rule = rule_for(node.target)
     if rule is None:
         return None
-    shapes = {ref.name: _shape_of(graph, ref.name) for ref in iter_refs((node.args, node.kwargs))}
+    shapes = {ref.name: _shape_of(graph, ref.name) for ref in node.refs}
     try:
         return rule(OpCall(node, MappingProxyType(bind(node)), MappingProxyType(shapes)))
     except _NoRule:

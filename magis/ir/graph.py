@@ -110,13 +110,16 @@ class Node:
     tuple_output: bool = False  # the op returns a tuple (consumers use getitem)
     workspace: int = 0  # transient bytes the node needs only while it runs (e.g. a fissioned region)
 
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        """Names of the nodes this one reads, in argument order, without repeats."""
-        seen: dict[str, None] = {}
-        for ref in iter_refs((self.args, self.kwargs)):
-            seen.setdefault(ref.name, None)
-        return tuple(seen)
+    #: every :class:`Ref` in the arguments, in argument order (repeats kept); worked out
+    #: once, when the (immutable) node is made: the analyses ask for it millions of times
+    refs: tuple[Ref, ...] = field(init=False, repr=False, compare=False)
+    #: names of the nodes this one reads, in argument order, without repeats
+    inputs: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        refs = tuple(iter_refs((self.args, self.kwargs)))
+        object.__setattr__(self, "refs", refs)
+        object.__setattr__(self, "inputs", tuple(dict.fromkeys(ref.name for ref in refs)))
 
     @property
     def meta(self) -> TensorMeta:

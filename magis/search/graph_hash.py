@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 
-from magis.ir.graph import Graph, iter_refs, map_refs
+from magis.ir.graph import Graph, map_refs
 
 
 def _digest(value: object) -> str:
@@ -41,7 +41,7 @@ def wl_hash(graph: Graph) -> str:
         ancestry[n.name] = _digest((n.op_name, args, n.outputs, n.role.value, n.random))
     readers: dict[str, list[tuple[str, int]]] = {n.name: [] for n in graph.nodes}
     for n in graph.nodes:
-        for position, ref in enumerate(iter_refs((n.args, n.kwargs))):
+        for position, ref in enumerate(n.refs):
             readers[ref.name].append((n.name, position))
     future: dict[str, str] = {}
     for n in reversed(graph.nodes):

@@ -163,6 +163,9 @@ class _Mutation:
     graph: Graph
     carried: tuple[str, ...]
     step: Step
+    #: the carried order is an incremental schedule of ``graph`` itself (a rewrite under an
+    #: F-Tree that fissions nothing): scheduling it again would change nothing
+    scheduled: bool = False
 
 
 class _Search:
@@ -186,6 +189,9 @@ class _Search:
         self.time_budget, self.max_states, self.progress = time_budget, max_states, progress
         self.stats = SearchStats()
         self.seen: set[str] = set()
+        #: (hash of a rewritten graph, fission numbers of its parent): rewrites met before are
+        #: skipped before they are scheduled, the costly part of making a state
+        self.seen_rewrites: set[tuple[str, tuple[int, ...]]] = set()
         self.queue: list[tuple[tuple, int, MState]] = []
         self.counter = itertools.count()
         self._rewrites: WeakKeyDictionary[Graph, dict[str, list[Rewrite]]] = WeakKeyDictionary()
@@ -278,12 +284,18 @@ class _Search:
                         yield mutation
                 continue
             for rewrite in self._rewrites_of(rule, state.base, state.base_order):
+                seen = (wl_hash(rewrite.graph), state.tree.parts)
+                if seen in self.seen_rewrites:
+                    self.stats.duplicates += 1
+                    continue
+                self.seen_rewrites.add(seen)
                 touched = rewrite.touched or changed_nodes(state.base, rewrite.graph)
-                base_order = tuple(
-                    incremental_schedule(state.base, state.base_order, rewrite.graph, touched, INCREMENTAL_S)
-                )
-                if rewrite.order:  # the rule's own placement is valid and never above the old peak
-                    base_order = min((rewrite.order, base_order), key=lambda o: peak_memory(rewrite.graph, o))
+                if rewrite.order:  # the rule's own placement: valid, never above the old peak, and the
+                    base_order = rewrite.order  # fissioned graph is rescheduled when evaluated
+                else:
+                    base_order = tuple(
+                        incremental_schedule(state.base, state.base_order, rewrite.graph, touched, INCREMENTAL_S)
+                    )
                 profile = simulate_memory(rewrite.graph, base_order)
                 tree = update_ftree(state.tree, rewrite.graph, profile, touched, self.levels)
                 if not consistent(tree):
@@ -291,7 +303,7 @@ class _Search:
                     continue
                 mutation = self._applied(rewrite.graph, base_order, tree, Step(rule.name, rewrite.description))
                 if mutation is not None:
-                    yield mutation
+                    yield replace(mutation, scheduled=not rewrite.order and mutation.graph is rewrite.graph)
 
     def _rewrites_of(self, rule: MRule, base: Graph, order: tuple[str, ...]) -> list[Rewrite]:
         """A graph rule's rewrites of ``base`` in ``order``, found once per graph (F-Tree rules
@@ -322,7 +334,7 @@ class _Search:
             return None
         self.seen.add(key)
         order = mutation.carried
-        if reschedule:
+        if reschedule and not mutation.scheduled:
             touched = changed_nodes(parent.graph, mutation.graph)
             rescheduled = incremental_schedule(parent.graph, parent.order, mutation.graph, touched, INCREMENTAL_S)
             order = min((order, tuple(rescheduled)), key=lambda o: peak_memory(mutation.graph, o))
