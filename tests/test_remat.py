@@ -23,35 +23,35 @@ def _cost(name: str) -> float:
 
 def brute_force(st: Stages, budget: int) -> float | None:
     """The least total cost of Checkmate's program, by enumeration: per stage, every set of
-    earlier values to recompute and every set of values to keep, memory walked step by step."""
-    n = len(st)
+    earlier runs to recompute and every set of values to keep, memory walked step by step."""
+    n, size = len(st), st.size
     best: dict[frozenset[int], float] = {frozenset(): 0.0}
     for t in range(n):
         reachable: dict[frozenset[int], float] = {}
 
-        def useful(i: int, t: int = t) -> bool:  # a later stage may read it, or recompute a reader
-            return any(j > t or j not in st.fixed for j in st.users[i])
+        def useful(v: int, t: int = t) -> bool:  # a later stage may read it, or recompute a reader
+            return any(j > t or j not in st.fixed for j in st.values[v].readers)
 
         base = st.static + sum(st.kept[:t])
         for resident, cost in best.items():
             for r in range(t + 1):
-                for again in itertools.combinations([i for i in range(t) if i not in st.fixed], r):
+                for again in itertools.combinations([k for k in range(t) if k not in st.fixed], r):
                     computed = sorted({*again, t})
                     have = set(resident)
-                    if any(not set(st.deps[k]) <= have or have.add(k) for k in computed):
+                    if any(not set(st.reads[k]) <= have or have.update(st.made[k]) for k in computed):
                         continue
-                    pool = [i for i in sorted(have) if useful(i)]
+                    pool = [v for v in sorted(have) if useful(v)]
                     for m in range(len(pool) + 1):
                         for keep in map(set, itertools.combinations(pool, m)):
-                            live, fits = base + sum(st.size[i] for i in resident), True
+                            live, fits = base + sum(st.values[v].size for v in resident), True
                             for k in computed:
-                                live += st.size[k] + (st.kept[t] if k == t else 0)
+                                live += size[k] + (st.kept[t] if k == t else 0)
                                 if live + st.workspace[k] > budget:
                                     fits = False
                                     break
-                                for i in (*st.deps[k], k):
-                                    if i not in keep and not any(j in computed and j > k for j in st.users[i]):
-                                        live -= st.size[i]
+                                for v in (*st.reads[k], *st.made[k]):
+                                    if v not in keep and not any(j in computed and j > k for j in st.values[v].readers):
+                                        live -= st.values[v].size
                             total = cost + sum(st.cost[k] for k in computed)
                             if fits and total < reachable.get(frozenset(keep), float("inf")):
                                 reachable[frozenset(keep)] = total
@@ -62,7 +62,7 @@ def brute_force(st: Stages, budget: int) -> float | None:
 def budgets(problem: RematProblem, st: Stages) -> list[int]:
     """From the least any single step needs to the peak without recomputation."""
     low = max(
-        st.static + sum(st.kept[: k + 1]) + st.size[k] + st.workspace[k] + sum(st.size[d] for d in st.deps[k])
+        st.static + sum(st.kept[: k + 1]) + st.size[k] + st.workspace[k] + sum(st.values[v].size for v in st.reads[k])
         for k in range(len(st))
     )
     high = problem.no_remat_peak

@@ -34,14 +34,14 @@ whether it is optimal or the gap left.
 
 from __future__ import annotations
 
-import math
+import itertools
 import time
 from dataclasses import dataclass
 
 import highspy
 import numpy as np
 
-from magis.search.remat import DoesNotFit, RematProblem
+from magis.search.remat import DoesNotFit, RematProblem, Value
 
 #: stages above which the units are grouped into runs (HiGHS solves ~60 stages in seconds to a minute)
 DEFAULT_MAX_STAGES = 60
@@ -50,74 +50,164 @@ DEFAULT_TIME_LIMIT_S = 60.0
 
 @dataclass(frozen=True)
 class Stages:
-    """The values the program schedules: runs of consecutive units of a :class:`RematProblem`."""
+    """The values the program schedules: runs of consecutive units of a :class:`RematProblem`.
+
+    ``values`` are the run-level :class:`~magis.search.remat.Value` s (``unit`` is the
+    run, ``readers`` the later runs), ``made[r]`` and ``reads[r]`` index them; a run's
+    values that only the run itself reads are not values here but part of its workspace.
+    """
 
     runs: tuple[tuple[int, ...], ...]  # units of each run, in order
-    size: tuple[int, ...]  # bytes of a run's units read by later runs (freeable)
+    values: tuple[Value, ...]
+    made: tuple[tuple[int, ...], ...]
+    reads: tuple[tuple[int, ...], ...]
     kept: tuple[int, ...]  # bytes of a run's units that live to the end (graph outputs)
-    workspace: tuple[int, ...]  # bytes a run holds only while it runs, above size + kept
+    workspace: tuple[int, ...]  # a run's peak above the values and outputs it leaves (its transient bytes)
     cost: tuple[float, ...]
-    deps: tuple[tuple[int, ...], ...]
-    users: tuple[tuple[int, ...], ...]
     fixed: frozenset[int]  # computed once (random, outputs)
     static: int
 
     def __len__(self) -> int:
         return len(self.runs)
 
+    @property
+    def size(self) -> tuple[int, ...]:
+        """Bytes of each run's values."""
+        return tuple(sum(self.values[v].size for v in made) for made in self.made)
+
 
 def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES) -> Stages:
-    """Group ``problem``'s units into at most about ``max_stages`` runs (one unit per run when they fit)."""
+    """Group ``problem``'s units into runs (one unit per run when they fit in ``max_stages``).
+
+    The program counts a run's inputs as resident until the run ends and its
+    intermediate values at their peak inside it, an upper bound on what it holds, so
+    a coarse grouping may turn a budget the units meet into an infeasible program
+    (Checkmate's issue #151). A run is therefore never longer than keeps that bound,
+    in the schedule without recomputation, within the step's own peak
+    (:attr:`~magis.search.remat.RematProblem.no_remat_peak`): whatever budget that
+    schedule meets, the program meets too. Runs end early where many bytes cross
+    their boundary and stretch where few do; their length is capped by the least cap
+    that keeps them within ``max_stages`` (where the peak bound allows as few).
+    """
+    cut = _RunBoundaries(problem)
     n = len(problem)
-    per_run = max(1, math.ceil(n / max_stages))
-    runs: list[list[int]] = []
-    for u in range(n):
-        # a random unit is a run of its own: it is never recomputed, and would pin the units around it
-        if not runs or _random(problem, u) or _random(problem, runs[-1][-1]) or len(runs[-1]) >= per_run:
-            runs.append([u])
+    if n <= max_stages:
+        return _stages_of(problem, [[u] for u in range(n)])
+    low, high = 1, n  # the least cap on a run's units that gives at most max_stages runs
+    while low < high:
+        middle = (low + high) // 2
+        if len(cut.runs(middle)) <= max_stages:
+            high = middle
         else:
-            runs[-1].append(u)
+            low = middle + 1
+    return _stages_of(problem, cut.runs(low))
+
+
+class _RunBoundaries:
+    """Greedy grouping of consecutive units into runs whose bound stays within the step's peak.
+
+    In the schedule without recomputation, a run starting at unit ``a`` holds the values
+    made before ``a`` and read from ``a`` on (all of them, to its end) and, at its unit
+    ``j``, the values it made that are still read from ``j`` on, plus ``j``'s workspace.
+    """
+
+    def __init__(self, problem: RematProblem) -> None:
+        self.problem = problem
+        n = len(problem)
+        last = [max(v.readers, default=v.unit) for v in problem.values]
+        self.dying: list[list[int]] = [[] for _ in range(n)]  # values whose last reader is each unit
+        crossing = [0] * (n + 1)  # bytes made before each unit and read from it on
+        for v, value in enumerate(problem.values):
+            self.dying[last[v]].append(v)
+            crossing[value.unit + 1] += value.size
+            crossing[last[v] + 1] -= value.size
+        self.held = list(itertools.accumulate(crossing))  # entering each unit, outputs aside
+        self.kept_before = [0, *itertools.accumulate(problem.kept)]
+        self.limit = problem.no_remat_peak
+
+    def runs(self, cap: int) -> list[list[int]]:
+        """Runs of at most ``cap`` units, each as long as its bound allows; a random unit is a run
+        of its own (it is never recomputed, and would pin the units around it)."""
+        p = self.problem
+        runs: list[list[int]] = []
+        start = 0
+        while start < len(p):
+            run = [start]
+            entering = p.static + self.kept_before[start] + self.held[start]
+            inside = p.size[start] + p.kept[start]  # bytes the run made that are still read
+            peak = entering + inside + p.workspace[start]
+            while start not in p.once and len(run) < cap and run[-1] + 1 < len(p):
+                j = run[-1] + 1
+                if j in p.once:
+                    break
+                inside += (
+                    p.size[j]
+                    + p.kept[j]
+                    - sum(p.values[v].size for v in self.dying[j - 1] if p.values[v].unit >= start)
+                )
+                peak = max(peak, entering + inside + p.workspace[j])
+                if peak > self.limit:
+                    break
+                run.append(j)
+            runs.append(run)
+            start = run[-1] + 1
+        return runs
+
+
+def _stages_of(problem: RematProblem, runs: list[list[int]]) -> Stages:
+    """The coarse program of ``runs``: their values (a unit's values read by later runs, grouped by
+    the runs that read them), outputs, workspace (peak while the run runs alone), cost."""
     run_of = {u: r for r, units in enumerate(runs) for u in units}
-    size, kept, workspace, cost, deps, users, fixed = [], [], [], [], [], [], set()
+    run_value: dict[int, int] = {}  # unit value -> run value
+    grouped: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for v, value in enumerate(problem.values):
+        readers = tuple(sorted({run_of[w] for w in value.readers} - {run_of[value.unit]}))
+        if readers:
+            grouped.setdefault((run_of[value.unit], readers), []).append(v)
+    values = []
+    for (r, readers), members in sorted(grouped.items()):
+        for v in members:
+            run_value[v] = len(values)
+        values.append(Value(r, sum(problem.values[v].size for v in members), readers))
+    made: list[list[int]] = [[] for _ in runs]
+    for v, value in enumerate(values):
+        made[value.unit].append(v)
+    reads, kept, workspace = [], [], []
     for r, units in enumerate(runs):
-        inside = set(units)
-        out_bytes = sum(problem.size[u] for u in units if any(run_of[v] > r for v in problem.users[u]))
-        pinned = sum(problem.kept[u] for u in units)
-        live, peak = 0, 0
-        for i, u in enumerate(units):
-            peak = max(peak, live + problem.size[u] + problem.kept[u] + problem.workspace[u])
-            live += problem.size[u] + problem.kept[u]
-            for v in (*problem.deps[u], u):  # free what no later unit of the run, nor a later run, reads
-                if (
-                    v in inside
-                    and units.index(v) <= i
-                    and not any((w in inside and units.index(w) > i) or run_of[w] > r for w in problem.users[v])
-                ):
-                    live -= problem.size[v]
-        size.append(out_bytes)
-        kept.append(pinned)
-        workspace.append(max(0, peak - out_bytes - pinned))
-        cost.append(sum(problem.cost[u] for u in units))
-        deps.append(tuple(sorted({run_of[d] for u in units for d in problem.deps[u]} - {r})))
-        users.append(tuple(sorted({run_of[w] for u in units for w in problem.users[u]} - {r})))
-        if inside & problem.fixed:
-            fixed.add(r)
+        # what the run reads from earlier runs (a unit value read inside its own run is no run value)
+        reads.append(
+            tuple(
+                sorted({run_value[v] for u in units for v in problem.reads[u] if run_of[problem.values[v].unit] != r})
+            )
+        )
+        kept.append(sum(problem.kept[u] for u in units))
+        workspace.append(_run_peak(problem, units, run_of) - sum(values[v].size for v in made[r]) - kept[r])
     return Stages(
         tuple(tuple(u) for u in runs),
-        tuple(size),
+        tuple(values),
+        tuple(map(tuple, made)),
+        tuple(reads),
         tuple(kept),
         tuple(workspace),
-        tuple(cost),
-        tuple(deps),
-        tuple(users),
-        frozenset(fixed),
+        tuple(sum(problem.cost[u] for u in units) for units in runs),
+        frozenset(r for r, units in enumerate(runs) if problem.fixed & set(units)),
         problem.static,
     )
 
 
-def _random(problem: RematProblem, u: int) -> bool:
-    """A random op's unit (or one another unit views): never computed twice."""
-    return u in problem.once
+def _run_peak(problem: RematProblem, units: list[int], run_of: dict[int, int]) -> int:
+    """The most bytes ``units`` (one run) hold at once, run alone: what they made and is still read
+    (to the run's end where a later run reads it), their outputs, and each unit's workspace."""
+    r = run_of[units[0]]
+    live = peak = 0
+    for u in units:
+        live += problem.size[u] + problem.kept[u]
+        peak = max(peak, live + problem.workspace[u])
+        for v in problem.made[u] + problem.reads[u]:
+            value = problem.values[v]
+            if run_of[value.unit] == r and max(value.readers, default=value.unit) == u:
+                live -= value.size  # u is its last reader, and no later run reads it
+    return peak
 
 
 @dataclass(frozen=True)
@@ -141,6 +231,9 @@ def checkmate_plan(
 ) -> CheckmatePlan:
     """Checkmate's MILP for ``problem`` within ``budget`` bytes, solved by HiGHS.
 
+    HiGHS starts from the plan of :func:`checkpoint_heuristic` where it fits (the
+    paper warm-starts its solver the same way, from a heuristic's schedule), so the
+    time limit always leaves a plan when that one fits, with the gap still open.
     Raises :class:`~magis.search.remat.DoesNotFit` when the program is infeasible or
     no plan was found within ``time_limit_s``.
     """
@@ -159,6 +252,12 @@ def checkmate_plan(
     highs.setOptionValue("primal_feasibility_tolerance", 1e-10)
     highs.setOptionValue("mip_feasibility_tolerance", 1e-10)
     highs.passModel(model.lp())
+    incumbent = checkpoint_heuristic(model)
+    if incumbent is not None:
+        start_from = highspy.HighsSolution()
+        start_from.col_value = list(incumbent)
+        start_from.value_valid = True
+        highs.setSolution(start_from)
     highs.run()
     status = highs.getModelStatus()
     info = highs.getInfo()
@@ -186,8 +285,62 @@ def checkmate_plan(
     )
 
 
+def checkpoint_heuristic(model: _Program) -> np.ndarray | None:
+    """A feasible assignment of ``model``'s columns, or ``None`` where this heuristic finds none.
+
+    Checkpointing (Chen et al. 2016, the heuristics Checkmate compares against): a
+    *checkpointed* value stays resident from the stage that makes it to the last stage
+    that reads it; any other value lives only in the stage that computes it, and a
+    stage recomputes, before it runs, every run whose values it reads and does not
+    hold (recursively, back to checkpoints). Starting from every value checkpointed
+    (no recomputation: it fits whenever the step's own peak does), values are dropped
+    one at a time while the plan exceeds the budget: at the step that exceeds it, the
+    resident value that frees the most bytes per second of recomputation its run costs.
+    """
+    st = model.st
+    droppable = {v for v, value in enumerate(st.values) if value.unit not in st.fixed}
+    checkpointed = set(range(len(st.values)))
+    while True:
+        computed, kept = _checkpoint_schedule(st, checkpointed)
+        assignment = model.assignment(computed, kept)
+        over = model.worst_step(assignment)
+        if over is None:
+            return assignment
+        t, _ = over
+        resident = [v for v in droppable & checkpointed if v in kept[t]]
+        if not resident:
+            return None
+        checkpointed.remove(max(resident, key=lambda v: st.values[v].size / max(st.cost[st.values[v].unit], 1e-12)))
+
+
+def _checkpoint_schedule(st: Stages, checkpointed: set[int]) -> tuple[list[set[int]], list[set[int]]]:
+    """Per stage, the runs it computes and the values resident as it starts, for ``checkpointed``."""
+    n = len(st)
+    computed: list[set[int]] = []
+    last_use = {v: st.values[v].unit for v in checkpointed}  # the last stage reading each checkpoint
+    for t in range(n):
+        runs, todo = {t}, [t]
+        while todo:  # recompute what the stage reads and does not hold
+            k = todo.pop()
+            for v in st.reads[k]:
+                if v in checkpointed:
+                    last_use[v] = max(last_use[v], t)
+                elif st.values[v].unit not in runs:
+                    runs.add(st.values[v].unit)
+                    todo.append(st.values[v].unit)
+        computed.append(runs)
+    kept = [{v for v in checkpointed if st.values[v].unit < t <= last_use[v]} for t in range(n + 1)]
+    return computed, kept
+
+
 class _Program:
-    """The MILP's columns and rows, built as a sparse row-wise matrix."""
+    """The MILP's columns and rows, built as a sparse row-wise matrix.
+
+    ``R[t][k]`` and ``S[t][v]`` (a dict: only values some later stage may use) are the
+    decisions; every other column is *defined* by one row given the columns before it
+    (memory ``U`` by its balance, ``FREE`` by its hazards), which :meth:`assignment`
+    uses to complete a schedule into a point of the program.
+    """
 
     def __init__(self, st: Stages, budget: int) -> None:
         self.st = st
@@ -196,43 +349,57 @@ class _Program:
         self.upper: list[float] = []
         self.integer: list[bool] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
+        self.defined: list[tuple[int, int]] = []  # (column, the row that defines it), in row order
+        self.steps: list[tuple[int, int, int, int]] = []  # (stage, run, memory column, its budget row)
         n = len(st)
         inf = highspy.kHighsInf
         self.R = [
             [
-                self.col(st.cost[i], 1.0 if i == t else 0.0, 0.0 if i in st.fixed and i < t else 1.0)
-                for i in range(t + 1)
+                self.col(st.cost[k], 1.0 if k == t else 0.0, 0.0 if k in st.fixed and k < t else 1.0)
+                for k in range(t + 1)
             ]
             for t in range(n)
         ]
-        self.S = [[self.col(0.0, 0.0, 1.0) for _ in range(t)] for t in range(n + 1)]
+
+        def useful(v: int, t: int) -> bool:  # a stage from t on may read it, or recompute a reader
+            return any(j >= t or j not in st.fixed for j in st.values[v].readers)
+
+        self.S = [
+            {v: self.col(0.0, 0.0, 1.0) for v, value in enumerate(st.values) if value.unit < t and useful(v, t)}
+            for t in range(n + 1)
+        ]
         for t in range(n):
             for k in range(t + 1):  # dependencies: resident or computed earlier in the stage
-                for i in st.deps[k]:
-                    self.row({self.R[t][k]: 1.0, self.R[t][i]: -1.0, self.S[t][i]: -1.0}, -inf, 0.0)
-            for i in range(t + 1):  # keep only what was resident or computed
-                coeffs = {self.S[t + 1][i]: 1.0, self.R[t][i]: -1.0}
-                if i < t:
-                    coeffs[self.S[t][i]] = -1.0
+                if self.upper[self.R[t][k]] == 0.0:
+                    continue
+                for v in st.reads[k]:
+                    self.row({self.R[t][k]: 1.0, self.R[t][st.values[v].unit]: -1.0, self.S[t][v]: -1.0}, -inf, 0.0)
+            for v, kept in self.S[t + 1].items():  # keep only what was resident or computed
+                coeffs = {kept: 1.0, self.R[t][st.values[v].unit]: -1.0}
+                if v in self.S[t]:
+                    coeffs[self.S[t][v]] = -1.0
                 self.row(coeffs, -inf, 0.0)
         # bytes as fractions of the budget: rows near 1, so HiGHS' tolerances stay below a byte
         b = 1.0 / budget
+        size = st.size
         kept_before = np.cumsum([0, *st.kept])
         for t in range(n):
             previous = None
             for k in range(t + 1):
                 u = self.col(0.0, -inf, inf, integer=False)
-                coeffs = {u: 1.0, self.R[t][k]: -st.size[k] * b}
+                coeffs = {u: 1.0, self.R[t][k]: -size[k] * b}
                 constant = st.kept[t] * b if k == t else 0.0  # outputs stay from their stage on
                 if previous is None:
                     constant += (st.static + float(kept_before[t])) * b
-                    for i in range(t):
-                        coeffs[self.S[t][i]] = -st.size[i] * b
+                    for v, resident in self.S[t].items():
+                        coeffs[resident] = -st.values[v].size * b
                 else:
                     coeffs[previous] = -1.0
-                    for i, free in self.frees(t, k - 1):
-                        coeffs[free] = coeffs.get(free, 0.0) + st.size[i] * b
+                    for v, free in self.frees(t, k - 1):
+                        coeffs[free] = coeffs.get(free, 0.0) + st.values[v].size * b
+                self.defined.append((u, len(self.rows)))
                 self.row(coeffs, constant, constant)
+                self.steps.append((t, k, u, len(self.rows)))
                 self.row({u: 1.0, self.R[t][k]: st.workspace[k] * b}, -inf, 1.0)
                 previous = u
 
@@ -247,22 +414,50 @@ class _Program:
         self.rows.append((coeffs, lower, upper))
 
     def frees(self, t: int, k: int) -> list[tuple[int, int]]:
-        """New columns ``FREE[t,i,k]``, one per value ``i`` that may be freed after ``k`` runs in stage ``t``."""
+        """New columns ``FREE[t,v,k]``, one per value ``v`` that may be freed after run ``k`` in stage ``t``."""
         st = self.st
         out = []
-        for i in (*st.deps[k], k):
-            if st.size[i] == 0:
+        for v in (*st.reads[k], *st.made[k]):
+            if st.values[v].size == 0:
                 continue
             free = self.col(0.0, 0.0, 1.0)
-            later = [self.R[t][j] for j in st.users[i] if k < j <= t]
-            # hazards: k does not run, i is kept, a later user of i runs in this stage
-            hazards = {self.R[t][k]: -1.0, self.S[t + 1][i]: 1.0, **{r: 1.0 for r in later}}
+            later = [self.R[t][j] for j in st.values[v].readers if k < j <= t]
+            kept = self.S[t + 1].get(v)
+            # hazards: k does not run, v is kept, a later reader of v runs in this stage
+            hazards = {self.R[t][k]: -1.0, **({kept: 1.0} if kept is not None else {}), **{r: 1.0 for r in later}}
             bound = 2 + len(later)
             # 1 - FREE <= hazards  and  hazards <= bound (1 - FREE); hazards = 1 - R + S + Σ R_later
+            self.defined.append((free, len(self.rows)))
             self.row({**hazards, free: 1.0}, 0.0, highspy.kHighsInf)
             self.row({**hazards, free: float(bound)}, -highspy.kHighsInf, float(bound) - 1.0)
-            out.append((i, free))
+            out.append((v, free))
         return out
+
+    def assignment(self, computed: list[set[int]], kept: list[set[int]]) -> np.ndarray:
+        """The point of the program where stage ``t`` computes the runs ``computed[t]`` (each run's
+        inputs resident or computed before it) and starts holding the values ``kept[t]``."""
+        x = np.zeros(len(self.cost))
+        for t, runs in enumerate(computed):
+            for k in runs:
+                x[self.R[t][k]] = 1.0
+        for t, resident in enumerate(kept):
+            for v in resident:
+                x[self.S[t][v]] = 1.0
+        for column, row in self.defined:  # the least each defining row allows, given what precedes it
+            coeffs, lower, _ = self.rows[row]
+            rest = sum(a * x[c] for c, a in coeffs.items() if c != column)
+            x[column] = max(self.lower[column], (lower - rest) / coeffs[column])
+        return x
+
+    def worst_step(self, x: np.ndarray) -> tuple[int, int] | None:
+        """The (stage, run) whose memory exceeds the budget most at ``x``, ``None`` when none does."""
+        worst, excess = None, 1e-9
+        for t, k, _, row in self.steps:
+            coeffs, _, upper = self.rows[row]
+            over = sum(a * x[c] for c, a in coeffs.items()) - upper
+            if over > excess:
+                worst, excess = (t, k), over
+        return worst
 
     def lp(self) -> highspy.HighsLp:
         lp = highspy.HighsLp()
