@@ -46,7 +46,7 @@ def brute_force(st: Stages, budget: int) -> float | None:
                             live, fits = base + sum(st.values[v].size for v in resident), True
                             for k in computed:
                                 live += size[k] + (st.kept[t] if k == t else 0)
-                                if live + st.workspace[k] > budget:
+                                if live + st.workspace[k] + (st.kept[k] if k < t else 0) > budget:
                                     fits = False
                                     break
                                 for v in (*st.reads[k], *st.made[k]):

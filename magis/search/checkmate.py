@@ -1,41 +1,46 @@
 """Checkmate: optimal rematerialization as a mixed-integer program (Jain et al., MLSys 2020, §4).
 
-The step's values are computed in a fixed topological order (the captured one), in
-*stages*: stage ``t`` computes value ``t`` and may first recompute any earlier
-values. Binary variables:
+The step's operators run in a fixed topological order (the captured one), in
+*stages*: stage ``t`` computes operator ``t`` and may first recompute any earlier
+ones. An operator makes one or more *values* (:class:`~magis.search.remat.Value`:
+storages freed together; the paper's operators make one). Binary variables:
 
-- ``R[t,i]``: value ``i`` is computed in stage ``t`` (``R[t,t] = 1``, none after ``t``);
-- ``S[t,i]``: value ``i`` is resident at the start of stage ``t`` (kept from stage ``t-1``);
-- ``FREE[t,i,k]``: value ``i`` is freed right after value ``k`` runs in stage ``t``
-  (``i`` an input of ``k``, or ``k`` itself).
+- ``R[t,k]``: operator ``k`` is computed in stage ``t`` (``R[t,t] = 1``, none after ``t``);
+- ``S[t,v]``: value ``v`` is resident at the start of stage ``t`` (kept from stage ``t-1``);
+- ``FREE[t,v,k]``: value ``v`` is freed right after operator ``k`` runs in stage ``t``
+  (``v`` an input of ``k``, or made by ``k``).
 
 Constraints: an operator's inputs are resident or computed before it in the stage
-(``R[t,k] <= R[t,i] + S[t,i]``); only what was resident or computed can be
-kept (``S[t+1,i] <= S[t,i] + R[t,i]``); memory is accounted step by step,
-``U[t,k] = U[t,k-1] + R[t,k]·m_k - Σ_i m_i·FREE[t,i,k-1]`` with ``U[t,k]`` (plus the
-operator's transient workspace) within the budget; and ``FREE`` is
-linearised from "``k`` runs, ``i`` is not kept, and no later user of ``i`` runs in
-this stage" by counting those hazards, as the paper linearises it. The objective is the total compute
-time ``Σ_t Σ_i C_i R[t,i]``. Values of random ops (dropout), graph outputs and
-values viewed by another unit are never recomputed (:mod:`magis.search.remat`);
-outputs are kept to the end.
+(``R[t,k] <= R[t,maker(v)] + S[t,v]``); only what was resident or computed can be
+kept (``S[t+1,v] <= S[t,v] + R[t,maker(v)]``); memory is accounted step by step,
+``U[t,k] = U[t,k-1] + R[t,k]·m_k - Σ_v m_v·FREE[t,v,k-1]`` with ``U[t,k]`` (plus the
+operator's transient workspace) within the budget; and ``FREE`` is linearised from
+"``k`` runs, ``v`` is not kept, and no later reader of ``v`` runs in this stage" by
+counting those hazards, as the paper linearises it. The objective is the total
+compute time ``Σ_t Σ_k C_k R[t,k]``. Random ops (dropout) and units viewed by another
+unit are never recomputed (:mod:`magis.search.remat`); outputs are kept to the end,
+and a recomputed operator's copies of them are transient.
 
 Large graphs are coarsened (the paper plans over layer-level graphs): the units of
 :func:`~magis.search.remat.remat_problem` (views folded into their producers) are
-grouped into runs of consecutive units, each run one stage value, random units
-alone. A run's value is the bytes its units make that later runs read; what it
-holds only while it runs (its intermediate values) is its workspace; the bytes of
-graph outputs it makes stay to the end. Every figure is an upper bound on what the
-run needs, so a plan within the budget for the coarse program is within it for
-real (:func:`~magis.cost.memory.simulate_memory` of the replayed plan checks it).
-The program is solved by HiGHS (``highspy``) under a time limit; the plan reports
-whether it is optimal or the gap left.
+grouped into runs of consecutive units, each run one stage, random units alone
+(:func:`stages`). A run's values are those of its units that later runs read; what
+it holds only while it runs (its intermediate values) is its workspace; the bytes
+of graph outputs it makes stay to the end. Every figure is an upper bound on what
+the run needs, so a plan within the budget for the coarse program is within it for
+real (:func:`~magis.cost.memory.simulate_memory` of the replayed plan checks it),
+and runs are cut so that the bound never exceeds the step's own peak: a budget the
+step meets without recomputation is never infeasible.
+The program is solved by HiGHS (``highspy``) under a time limit, from a
+plan of DTR's eviction policy (:func:`eviction_heuristic`); the plan reports whether it is
+optimal or the gap left.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import highspy
@@ -64,7 +69,7 @@ class Stages:
     kept: tuple[int, ...]  # bytes of a run's units that live to the end (graph outputs)
     workspace: tuple[int, ...]  # a run's peak above the values and outputs it leaves (its transient bytes)
     cost: tuple[float, ...]
-    fixed: frozenset[int]  # computed once (random, outputs)
+    fixed: frozenset[int]  # computed once (random, or viewed by another run)
     static: int
 
     def __len__(self) -> int:
@@ -76,7 +81,7 @@ class Stages:
         return tuple(sum(self.values[v].size for v in made) for made in self.made)
 
 
-def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES) -> Stages:
+def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES, budget: int | None = None) -> Stages:
     """Group ``problem``'s units into runs (one unit per run when they fit in ``max_stages``).
 
     The program counts a run's inputs as resident until the run ends and its
@@ -85,14 +90,19 @@ def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES) -> Stage
     (Checkmate's issue #151). A run is therefore never longer than keeps that bound,
     in the schedule without recomputation, within the step's own peak
     (:attr:`~magis.search.remat.RematProblem.no_remat_peak`): whatever budget that
-    schedule meets, the program meets too. Runs end early where many bytes cross
-    their boundary and stretch where few do; their length is capped by the least cap
-    that keeps them within ``max_stages`` (where the peak bound allows as few).
+    schedule meets, the program meets too. Below it, a run with only its own inputs
+    resident must also leave half of ``budget``'s room above the step's parameters and
+    outputs to the values kept across it, or no plan could hold any. Runs end early
+    where many bytes cross their boundary or the step is at its largest, and stretch
+    elsewhere; their length is capped by the least cap that keeps them within
+    ``max_stages`` (where the bounds allow as few).
     """
-    cut = _RunBoundaries(problem)
     n = len(problem)
     if n <= max_stages:
         return _stages_of(problem, [[u] for u in range(n)])
+    floor = problem.static + sum(problem.kept)
+    alone = problem.no_remat_peak if budget is None else min(problem.no_remat_peak, (budget + floor) // 2)
+    cut = _RunBoundaries(problem, alone)
     low, high = 1, n  # the least cap on a run's units that gives at most max_stages runs
     while low < high:
         middle = (low + high) // 2
@@ -104,14 +114,16 @@ def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES) -> Stage
 
 
 class _RunBoundaries:
-    """Greedy grouping of consecutive units into runs whose bound stays within the step's peak.
+    """Greedy grouping of consecutive units into runs whose bounds stay within limits.
 
     In the schedule without recomputation, a run starting at unit ``a`` holds the values
     made before ``a`` and read from ``a`` on (all of them, to its end) and, at its unit
-    ``j``, the values it made that are still read from ``j`` on, plus ``j``'s workspace.
+    ``j``, the values it made that are still read from ``j`` on, plus ``j``'s workspace:
+    that bound stays within the step's peak. Alone, it holds only the values made
+    before ``a`` that it reads: that bound stays within ``alone``.
     """
 
-    def __init__(self, problem: RematProblem) -> None:
+    def __init__(self, problem: RematProblem, alone: int) -> None:
         self.problem = problem
         n = len(problem)
         last = [max(v.readers, default=v.unit) for v in problem.values]
@@ -124,18 +136,20 @@ class _RunBoundaries:
         self.held = list(itertools.accumulate(crossing))  # entering each unit, outputs aside
         self.kept_before = [0, *itertools.accumulate(problem.kept)]
         self.limit = problem.no_remat_peak
+        self.alone = alone
 
     def runs(self, cap: int) -> list[list[int]]:
-        """Runs of at most ``cap`` units, each as long as its bound allows; a random unit is a run
+        """Runs of at most ``cap`` units, each as long as its bounds allow; a random unit is a run
         of its own (it is never recomputed, and would pin the units around it)."""
         p = self.problem
         runs: list[list[int]] = []
         start = 0
         while start < len(p):
             run = [start]
-            entering = p.static + self.kept_before[start] + self.held[start]
+            base = p.static + self.kept_before[start]
+            inputs = {v for v in p.reads[start]}  # the values made before the run that it reads
             inside = p.size[start] + p.kept[start]  # bytes the run made that are still read
-            peak = entering + inside + p.workspace[start]
+            peak = inside + p.workspace[start]  # the most it holds at once, inputs aside
             while start not in p.once and len(run) < cap and run[-1] + 1 < len(p):
                 j = run[-1] + 1
                 if j in p.once:
@@ -145,8 +159,10 @@ class _RunBoundaries:
                     + p.kept[j]
                     - sum(p.values[v].size for v in self.dying[j - 1] if p.values[v].unit >= start)
                 )
-                peak = max(peak, entering + inside + p.workspace[j])
-                if peak > self.limit:
+                peak = max(peak, inside + p.workspace[j])
+                inputs.update(v for v in p.reads[j] if p.values[v].unit < start)
+                read = sum(p.values[v].size for v in inputs)
+                if base + self.held[start] + peak > self.limit or base + read + peak > self.alone:
                     break
                 run.append(j)
             runs.append(run)
@@ -190,7 +206,7 @@ def _stages_of(problem: RematProblem, runs: list[list[int]]) -> Stages:
         tuple(kept),
         tuple(workspace),
         tuple(sum(problem.cost[u] for u in units) for units in runs),
-        frozenset(r for r, units in enumerate(runs) if problem.fixed & set(units)),
+        frozenset(r for r, units in enumerate(runs) if problem.once & set(units)),
         problem.static,
     )
 
@@ -231,9 +247,8 @@ def checkmate_plan(
 ) -> CheckmatePlan:
     """Checkmate's MILP for ``problem`` within ``budget`` bytes, solved by HiGHS.
 
-    HiGHS starts from the plan of :func:`checkpoint_heuristic` where it fits (the
-    paper warm-starts its solver the same way, from a heuristic's schedule), so the
-    time limit always leaves a plan when that one fits, with the gap still open.
+    HiGHS starts from the plan of :func:`eviction_heuristic` where it finds one, so
+    the time limit leaves at least that plan, with the gap still open.
     Raises :class:`~magis.search.remat.DoesNotFit` when the program is infeasible or
     no plan was found within ``time_limit_s``.
     """
@@ -242,7 +257,7 @@ def checkmate_plan(
             f"budget, time_limit_s and max_stages must be positive, got {budget}, {time_limit_s} and {max_stages}"
         )
     start = time.perf_counter()
-    st = stages(problem, max_stages)
+    st = stages(problem, max_stages, budget)
     model = _Program(st, budget)
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
@@ -252,7 +267,7 @@ def checkmate_plan(
     highs.setOptionValue("primal_feasibility_tolerance", 1e-10)
     highs.setOptionValue("mip_feasibility_tolerance", 1e-10)
     highs.passModel(model.lp())
-    incumbent = checkpoint_heuristic(model)
+    incumbent = eviction_heuristic(model)
     if incumbent is not None:
         start_from = highspy.HighsSolution()
         start_from.col_value = list(incumbent)
@@ -285,52 +300,79 @@ def checkmate_plan(
     )
 
 
-def checkpoint_heuristic(model: _Program) -> np.ndarray | None:
-    """A feasible assignment of ``model``'s columns, or ``None`` where this heuristic finds none.
+def eviction_heuristic(model: _Program) -> np.ndarray | None:
+    """A feasible point of ``model``, or ``None`` where this heuristic finds none.
 
-    Checkpointing (Chen et al. 2016, the heuristics Checkmate compares against): a
-    *checkpointed* value stays resident from the stage that makes it to the last stage
-    that reads it; any other value lives only in the stage that computes it, and a
-    stage recomputes, before it runs, every run whose values it reads and does not
-    hold (recursively, back to checkpoints). Starting from every value checkpointed
-    (no recomputation: it fits whenever the step's own peak does), values are dropped
-    one at a time while the plan exceeds the budget: at the step that exceeds it, the
-    resident value that frees the most bytes per second of recomputation its run costs.
+    DTR's eviction policy (Kirisame et al., ICLR 2021) at the granularity of the
+    program's stages: a stage recomputes the runs whose values it reads and does not
+    hold (recursively), and keeps for the stages after it every value a later stage
+    reads, but those it must drop to fit, least ``cost / (size x staleness)`` first
+    (``cost``: of every run that recomputing it takes, DTR's evicted neighbourhood).
+    To fit is for the stage's own steps (where only dropping what it reads or makes
+    helps: the rest it holds throughout) and for the next stage's, that one keeping
+    only what the stage after it reads. Without recomputation where that fits; no
+    backtracking: a stage that cannot fit so ends the search. Values of runs computed
+    once are never dropped.
     """
     st = model.st
-    droppable = {v for v, value in enumerate(st.values) if value.unit not in st.fixed}
-    checkpointed = set(range(len(st.values)))
-    while True:
-        computed, kept = _checkpoint_schedule(st, checkpointed)
-        assignment = model.assignment(computed, kept)
-        over = model.worst_step(assignment)
-        if over is None:
-            return assignment
-        t, _ = over
-        resident = [v for v in droppable & checkpointed if v in kept[t]]
-        if not resident:
-            return None
-        checkpointed.remove(max(resident, key=lambda v: st.values[v].size / max(st.cost[st.values[v].unit], 1e-12)))
-
-
-def _checkpoint_schedule(st: Stages, checkpointed: set[int]) -> tuple[list[set[int]], list[set[int]]]:
-    """Per stage, the runs it computes and the values resident as it starts, for ``checkpointed``."""
     n = len(st)
-    computed: list[set[int]] = []
-    last_use = {v: st.values[v].unit for v in checkpointed}  # the last stage reading each checkpoint
+    x = np.zeros(len(model.cost))
+    resident: set[int] = set()
+    last_read = {v: value.unit for v, value in enumerate(st.values)}  # the last stage that read each value
+
+    def evictable(v: int) -> bool:
+        return st.values[v].size > 0 and st.values[v].unit not in st.fixed
+
+    def h(v: int, t: int, keep: set[int]) -> float:
+        value = st.values[v]
+        again = _recomputed(st, value.unit, keep - {v})
+        return sum(st.cost[k] for k in again) / (value.size * (t + 1 - last_read[v]))
+
+    def kept_after(t: int, held: set[int], computed: set[int], wanted: Iterable[int]) -> set[int]:
+        """Of ``wanted``, what stage ``t`` can keep: held or made, and of use to a later stage."""
+        have = held.union(*(st.made[k] for k in computed))
+        return {v for v in wanted if v in have and v in model.S[t + 1] and any(j > t for j in st.values[v].readers)}
+
     for t in range(n):
-        runs, todo = {t}, [t]
-        while todo:  # recompute what the stage reads and does not hold
-            k = todo.pop()
-            for v in st.reads[k]:
-                if v in checkpointed:
-                    last_use[v] = max(last_use[v], t)
-                elif st.values[v].unit not in runs:
-                    runs.add(st.values[v].unit)
-                    todo.append(st.values[v].unit)
-        computed.append(runs)
-    kept = [{v for v in checkpointed if st.values[v].unit < t <= last_use[v]} for t in range(n + 1)]
-    return computed, kept
+        computed = _recomputed(st, t, resident)
+        for k in computed:
+            last_read.update((v, t) for v in st.reads[k])
+        keep = kept_after(t, resident, computed, range(len(st.values)))
+        touched = {v for k in computed for v in (*st.reads[k], *st.made[k])}
+        while True:
+            over = model.try_stage(x, t, computed, resident, keep)
+            droppable = touched
+            if not over and t + 1 < n:
+                after = _recomputed(st, t + 1, keep)
+                onward = kept_after(t + 1, keep, after, st.reads[t + 2] if t + 2 < n else ())
+                over = model.try_stage(x, t + 1, after, keep, onward)
+                droppable = keep
+            if not over:
+                break
+            candidates = sorted((v for v in keep & droppable if evictable(v)), key=lambda v: h(v, t, keep))
+            if not candidates:
+                return None
+            freed = 0
+            for v in candidates:  # enough to cover the excess, before measuring again
+                keep.remove(v)
+                freed += st.values[v].size
+                if freed >= over * model.budget:
+                    break
+        resident = keep
+    return x
+
+
+def _recomputed(st: Stages, t: int, resident: set[int]) -> set[int]:
+    """The runs that computing run ``t`` holding ``resident`` takes: ``t`` and, recursively, the
+    makers of the values they read and it does not hold."""
+    runs, todo = {t}, [t]
+    while todo:
+        for v in st.reads[todo.pop()]:
+            maker = st.values[v].unit
+            if v not in resident and maker not in runs:
+                runs.add(maker)
+                todo.append(maker)
+    return runs
 
 
 class _Program:
@@ -338,20 +380,21 @@ class _Program:
 
     ``R[t][k]`` and ``S[t][v]`` (a dict: only values some later stage may use) are the
     decisions; every other column is *defined* by one row given the columns before it
-    (memory ``U`` by its balance, ``FREE`` by its hazards), which :meth:`assignment`
-    uses to complete a schedule into a point of the program.
+    (memory ``U`` by its balance, ``FREE`` by its hazards), which :meth:`try_stage`
+    uses to complete a stage's decisions into a point of the program.
     """
 
     def __init__(self, st: Stages, budget: int) -> None:
         self.st = st
+        self.budget = budget
         self.cost: list[float] = []
         self.lower: list[float] = []
         self.upper: list[float] = []
         self.integer: list[bool] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
-        self.defined: list[tuple[int, int]] = []  # (column, the row that defines it), in row order
-        self.steps: list[tuple[int, int, int, int]] = []  # (stage, run, memory column, its budget row)
         n = len(st)
+        self.defined: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # per stage: (column, its row)
+        self.steps: list[list[int]] = [[] for _ in range(n)]  # per stage: the budget row of each run
         inf = highspy.kHighsInf
         self.R = [
             [
@@ -397,10 +440,12 @@ class _Program:
                     coeffs[previous] = -1.0
                     for v, free in self.frees(t, k - 1):
                         coeffs[free] = coeffs.get(free, 0.0) + st.values[v].size * b
-                self.defined.append((u, len(self.rows)))
+                self.defined[t].append((u, len(self.rows)))
                 self.row(coeffs, constant, constant)
-                self.steps.append((t, k, u, len(self.rows)))
-                self.row({u: 1.0, self.R[t][k]: st.workspace[k] * b}, -inf, 1.0)
+                self.steps[t].append(len(self.rows))
+                # a recomputed run's outputs are copies no one reads: transient, like its workspace
+                transient = st.workspace[k] + (st.kept[k] if k < t else 0)
+                self.row({u: 1.0, self.R[t][k]: transient * b}, -inf, 1.0)
                 previous = u
 
     def col(self, cost: float, lower: float, upper: float, integer: bool = True) -> int:
@@ -427,37 +472,28 @@ class _Program:
             hazards = {self.R[t][k]: -1.0, **({kept: 1.0} if kept is not None else {}), **{r: 1.0 for r in later}}
             bound = 2 + len(later)
             # 1 - FREE <= hazards  and  hazards <= bound (1 - FREE); hazards = 1 - R + S + Σ R_later
-            self.defined.append((free, len(self.rows)))
+            self.defined[t].append((free, len(self.rows)))
             self.row({**hazards, free: 1.0}, 0.0, highspy.kHighsInf)
             self.row({**hazards, free: float(bound)}, -highspy.kHighsInf, float(bound) - 1.0)
             out.append((v, free))
         return out
 
-    def assignment(self, computed: list[set[int]], kept: list[set[int]]) -> np.ndarray:
-        """The point of the program where stage ``t`` computes the runs ``computed[t]`` (each run's
-        inputs resident or computed before it) and starts holding the values ``kept[t]``."""
-        x = np.zeros(len(self.cost))
-        for t, runs in enumerate(computed):
-            for k in runs:
-                x[self.R[t][k]] = 1.0
-        for t, resident in enumerate(kept):
-            for v in resident:
-                x[self.S[t][v]] = 1.0
-        for column, row in self.defined:  # the least each defining row allows, given what precedes it
+    def try_stage(self, x: np.ndarray, t: int, computed: set[int], resident: set[int], keep: set[int]) -> float:
+        """Set stage ``t`` in ``x``: it computes ``computed`` (each run's inputs resident or computed
+        before it), holds ``resident`` as it starts and ``keep`` as it ends; the columns its rows
+        define follow. Returns by how much (a fraction of the budget) its worst step exceeds it."""
+        for k, column in enumerate(self.R[t]):
+            x[column] = k in computed
+        for v, column in self.S[t].items():
+            x[column] = v in resident
+        for v, column in self.S[t + 1].items():
+            x[column] = v in keep
+        for column, row in self.defined[t]:  # the least each defining row allows, given what precedes it
             coeffs, lower, _ = self.rows[row]
             rest = sum(a * x[c] for c, a in coeffs.items() if c != column)
             x[column] = max(self.lower[column], (lower - rest) / coeffs[column])
-        return x
-
-    def worst_step(self, x: np.ndarray) -> tuple[int, int] | None:
-        """The (stage, run) whose memory exceeds the budget most at ``x``, ``None`` when none does."""
-        worst, excess = None, 1e-9
-        for t, k, _, row in self.steps:
-            coeffs, _, upper = self.rows[row]
-            over = sum(a * x[c] for c, a in coeffs.items()) - upper
-            if over > excess:
-                worst, excess = (t, k), over
-        return worst
+        over = (sum(a * x[c] for c, a in self.rows[row][0].items()) - self.rows[row][2] for row in self.steps[t])
+        return max(0.0, max(over) - 1e-9)
 
     def lp(self) -> highspy.HighsLp:
         lp = highspy.HighsLp()

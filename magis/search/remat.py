@@ -12,7 +12,9 @@ the storages its producer allocates; those read by the same units form one
 output beside its saved statistics) frees each output when its own readers are done,
 as the simulator does. Random ops are computed once (dropout is never drawn twice:
 DESIGN.md), and so is a unit whose storage another unit views; the bytes of graph
-outputs (gradients, loss) live to the end.
+outputs (gradients, loss, buffer updates) live to the end. A unit with outputs may be
+computed again (batch norm, whose running statistics are outputs): its copies of them
+equal the step's, so their readers read the step's outputs and the copies are freed at once.
 
 A plan is a *sequence* of units, repeats being recomputations; :func:`replay` turns
 it into a graph in which every recomputation is a copy of the unit's nodes reading
@@ -72,16 +74,10 @@ class RematProblem:
     deps: tuple[tuple[int, ...], ...]
     users: tuple[tuple[int, ...], ...]
     once: frozenset[int]  # never computed twice: random ops, and units whose storage another unit views
-    pinned: frozenset[int]  # with bytes that live to the end of the step (``kept``)
     static: int
 
     def __len__(self) -> int:
         return len(self.units)
-
-    @property
-    def fixed(self) -> frozenset[int]:
-        """Units Checkmate never recomputes: :attr:`once`, and the outputs (:attr:`pinned`)."""
-        return self.once | self.pinned
 
     @property
     def no_remat_peak(self) -> int:
@@ -140,18 +136,19 @@ def remat_problem(graph: Graph, cost: NodeCost) -> RematProblem:
         deps=tuple(tuple(sorted(d)) for d in deps),
         users=tuple(tuple(sorted(s)) for s in users),
         once=frozenset(once),
-        pinned=frozenset(u for u in range(n) if kept[u]),
         static=facts.persistent_bytes,
     )
 
 
 def sequence_peak(problem: RematProblem, sequence: Sequence[int]) -> int:
     """Peak bytes of running the units in ``sequence`` (repeats recompute), each :class:`Value`
-    freed after the last step that reads it before it is computed again (``kept`` bytes never).
+    freed after the last step that reads it before it is computed again (``kept`` bytes: never
+    on their first computation, at once on a recomputation).
 
     Equals :func:`magis.cost.memory.simulate_memory` of the :func:`replay` of ``sequence``.
     """
     latest = [-1] * len(problem)  # the step that last computed each unit
+    first: dict[int, int] = {}  # the step that first computed it: its outputs are the step's
     last_read: dict[tuple[int, int], int] = {}  # (value, step that made it) -> last step reading it
     for step, u in enumerate(sequence):
         for d in problem.deps[u]:
@@ -160,9 +157,12 @@ def sequence_peak(problem: RematProblem, sequence: Sequence[int]) -> int:
         for v in problem.reads[u]:
             last_read[(v, latest[problem.values[v].unit])] = step
         latest[u] = step
+        first.setdefault(u, step)
     delta = [0] * (len(sequence) + 1)
     for step, u in enumerate(sequence):
         delta[step] += problem.size[u] + problem.kept[u]
+        if first[u] != step:  # a recomputed copy's outputs are not the step's: no unit reads them
+            delta[step + 1] -= problem.kept[u]
         for v in problem.made[u]:
             delta[last_read.get((v, step), step) + 1] -= problem.values[v].size
     peak, live = 0, problem.static
@@ -176,10 +176,13 @@ def replay(problem: RematProblem, sequence: Sequence[int]) -> tuple[Graph, tuple
     """The graph and order that run the units in ``sequence``, repeats as recomputed copies.
 
     A unit's first computation keeps its nodes' names; the ``r``-th recomputation
-    copies them as ``name.r<r>``, reading the latest copies of their inputs. Units of
+    copies them as ``name.r<r>``, reading the latest copies of their inputs, except that
+    a node whose storages are all outputs of the step is read in its first computation
+    (the copy holds the same values; the step's live to the end anyway). Units of
     :attr:`RematProblem.once` must appear once. Graph outputs and the signature are unchanged.
     """
     graph = problem.graph
+    pinned = memory_facts(graph).pinned
     latest: dict[str, str] = {}
     nodes: list[Node] = [graph[name] for name in problem.inert]
     times: dict[int, int] = {}
@@ -195,7 +198,9 @@ def replay(problem: RematProblem, sequence: Sequence[int]) -> tuple[Graph, tuple
                 return Ref(latest.get(ref.name, ref.name))
 
             nodes.append(replace(node, name=new, args=map_refs(node.args, ren), kwargs=map_refs(node.kwargs, ren)))
-            latest[name] = new
+            keys = [key for key in graph.storages[name] if key is not None]
+            if not keys or not all(key in pinned for key in keys):
+                latest[name] = new
     missing = [names[0] for u, names in enumerate(problem.units) if u not in times]
     if missing:
         raise ValueError(f"the sequence never computes {missing[0]}")
