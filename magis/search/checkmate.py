@@ -248,33 +248,34 @@ def checkmate_plan(
     """Checkmate's MILP for ``problem`` within ``budget`` bytes, solved by HiGHS.
 
     HiGHS starts from the plan of :func:`eviction_heuristic` where it finds one, so
-    the time limit leaves at least that plan, with the gap still open.
-    Raises :class:`~magis.search.remat.DoesNotFit` when the program is infeasible or
-    no plan was found within ``time_limit_s``.
+    the time limit leaves at least that plan, with the gap still open. Where the
+    grouped program is infeasible, it is grouped again twice as finely, down to one
+    unit per stage, within the same time limit. Raises
+    :class:`~magis.search.remat.DoesNotFit` when some unit cannot run within
+    ``budget`` whatever else is freed, when the program is infeasible, or when no
+    plan was found within ``time_limit_s``.
     """
     if budget <= 0 or time_limit_s <= 0 or max_stages < 1:
         raise ValueError(
             f"budget, time_limit_s and max_stages must be positive, got {budget}, {time_limit_s} and {max_stages}"
         )
     start = time.perf_counter()
-    st = stages(problem, max_stages, budget)
-    model = _Program(st, budget)
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("time_limit", float(time_limit_s))
-    highs.setOptionValue("mip_rel_gap", 1e-6)
-    highs.setOptionValue("threads", 1)
-    highs.setOptionValue("primal_feasibility_tolerance", 1e-10)
-    highs.setOptionValue("mip_feasibility_tolerance", 1e-10)
-    highs.passModel(model.lp())
-    incumbent = eviction_heuristic(model)
-    if incumbent is not None:
-        start_from = highspy.HighsSolution()
-        start_from.col_value = list(incumbent)
-        start_from.value_valid = True
-        highs.setSolution(start_from)
-    highs.run()
-    status = highs.getModelStatus()
+    need, unit = _largest_step(problem)
+    if need > budget:
+        raise DoesNotFit(
+            f"Checkmate: {problem.units[unit][0]} needs {need} bytes with only its inputs, the parameters and "
+            f"the outputs before it resident, over {budget} bytes"
+        )
+    while True:
+        st = stages(problem, max_stages, budget)
+        model = _Program(st, budget)
+        highs = _solve(model, time_limit_s - (time.perf_counter() - start))
+        status = highs.getModelStatus()
+        if status != highspy.HighsModelStatus.kInfeasible or len(st) == len(problem):
+            break
+        if time.perf_counter() - start >= time_limit_s:
+            break
+        max_stages = 2 * len(st)
     info = highs.getInfo()
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
     seconds = time.perf_counter() - start
@@ -298,6 +299,39 @@ def checkmate_plan(
         len(st),
         len(problem),
     )
+
+
+def _largest_step(problem: RematProblem) -> tuple[int, int]:
+    """The most bytes one unit needs whatever the plan, and which unit: the parameters, the outputs
+    made up to it, the values it reads, its own and its workspace. No plan fits a smaller budget."""
+    kept_before = 0
+    largest = (0, 0)
+    for u in range(len(problem)):
+        kept_before += problem.kept[u]
+        inputs = sum(problem.values[v].size for v in problem.reads[u])
+        need = problem.static + kept_before + inputs + problem.size[u] + problem.workspace[u]
+        largest = max(largest, (need, u))
+    return largest
+
+
+def _solve(model: _Program, time_limit_s: float) -> highspy.Highs:
+    """HiGHS run on ``model`` for at most ``time_limit_s``, from :func:`eviction_heuristic`'s plan."""
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", max(float(time_limit_s), 1e-3))
+    highs.setOptionValue("mip_rel_gap", 1e-6)
+    highs.setOptionValue("threads", 1)
+    highs.setOptionValue("primal_feasibility_tolerance", 1e-10)
+    highs.setOptionValue("mip_feasibility_tolerance", 1e-10)
+    highs.passModel(model.lp())
+    incumbent = eviction_heuristic(model)
+    if incumbent is not None:
+        start_from = highspy.HighsSolution()
+        start_from.col_value = list(incumbent)
+        start_from.value_valid = True
+        highs.setSolution(start_from)
+    highs.run()
+    return highs
 
 
 def eviction_heuristic(model: _Program) -> np.ndarray | None:
