@@ -57,9 +57,9 @@ DEFAULT_TIME_LIMIT_S = 60.0
 class Stages:
     """The values the program schedules: runs of consecutive units of a :class:`RematProblem`.
 
-    ``values`` are the run-level :class:`~magis.search.remat.Value` s (``unit`` is the
-    run, ``readers`` the later runs), ``made[r]`` and ``reads[r]`` index them; a run's
-    values that only the run itself reads are not values here but part of its workspace.
+    ``values`` are the runs' values (:class:`~magis.search.remat.Value` with ``unit`` the
+    run, ``readers`` the later runs), ``made[r]`` and ``reads[r]`` index them; what only
+    the run itself reads is no value here but part of its workspace.
     """
 
     runs: tuple[tuple[int, ...], ...]  # units of each run, in order
@@ -69,7 +69,7 @@ class Stages:
     kept: tuple[int, ...]  # bytes of a run's units that live to the end (graph outputs)
     workspace: tuple[int, ...]  # a run's peak above the values and outputs it leaves (its transient bytes)
     cost: tuple[float, ...]
-    fixed: frozenset[int]  # computed once (random, or viewed by another run)
+    fixed: frozenset[int]  # computed once (a random unit, or one another unit views)
     static: int
 
     def __len__(self) -> int:
@@ -147,7 +147,7 @@ class _RunBoundaries:
         while start < len(p):
             run = [start]
             base = p.static + self.kept_before[start]
-            inputs = {v for v in p.reads[start]}  # the values made before the run that it reads
+            inputs = set(p.reads[start])  # the values made before the run that it reads
             inside = p.size[start] + p.kept[start]  # bytes the run made that are still read
             peak = inside + p.workspace[start]  # the most it holds at once, inputs aside
             while start not in p.once and len(run) < cap and run[-1] + 1 < len(p):
