@@ -95,7 +95,8 @@ def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES, budget: 
     outputs to the values kept across it, or no plan could hold any. Runs end early
     where many bytes cross their boundary or the step is at its largest, and stretch
     elsewhere; their length is capped by the least cap that keeps them within
-    ``max_stages`` (where the bounds allow as few).
+    ``max_stages`` (where the bounds allow as few), random units' runs of their own
+    not counted (each is one stage the program never recomputes: it adds no choice).
     """
     n = len(problem)
     if n <= max_stages:
@@ -106,7 +107,7 @@ def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES, budget: 
     low, high = 1, n  # the least cap on a run's units that gives at most max_stages runs
     while low < high:
         middle = (low + high) // 2
-        if len(cut.runs(middle)) <= max_stages:
+        if sum(run[0] not in problem.once for run in cut.runs(middle)) <= max_stages:
             high = middle
         else:
             low = middle + 1
@@ -344,7 +345,7 @@ def eviction_heuristic(model: _Program) -> np.ndarray | None:
     (``cost``: of every run that recomputing it takes, DTR's evicted neighbourhood).
     To fit is for the stage's own steps (where only dropping what it reads or makes
     helps: the rest it holds throughout) and for the next stage's, that one keeping
-    only what the stage after it reads. Without recomputation where that fits; no
+    only what the stage after it reads and what it may not drop. Without recomputation where that fits; no
     backtracking: a stage that cannot fit so ends the search. Values of runs computed
     once are never dropped.
     """
@@ -378,20 +379,21 @@ def eviction_heuristic(model: _Program) -> np.ndarray | None:
             droppable = touched
             if not over and t + 1 < n:
                 after = _recomputed(st, t + 1, keep)
-                onward = kept_after(t + 1, keep, after, st.reads[t + 2] if t + 2 < n else ())
+                wanted = {v for v in keep if not evictable(v)}.union(st.reads[t + 2] if t + 2 < n else ())
+                onward = kept_after(t + 1, keep, after, wanted)
                 over = model.try_stage(x, t + 1, after, keep, onward)
                 droppable = keep
             if not over:
                 break
-            candidates = sorted((v for v in keep & droppable if evictable(v)), key=lambda v: h(v, t, keep))
+            candidates = {v for v in keep & droppable if evictable(v)}
             if not candidates:
                 return None
             freed = 0
-            for v in candidates:  # enough to cover the excess, before measuring again
+            while candidates and freed < over * model.budget:  # enough to cover the excess, then measure again
+                v = min(candidates, key=lambda v: h(v, t, keep))  # each drop makes the others dearer
+                candidates.remove(v)
                 keep.remove(v)
                 freed += st.values[v].size
-                if freed >= over * model.budget:
-                    break
         resident = keep
     return x
 
