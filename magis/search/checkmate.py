@@ -385,15 +385,15 @@ def eviction_heuristic(model: _Program) -> np.ndarray | None:
                 droppable = keep
             if not over:
                 break
-            candidates = {v for v in keep & droppable if evictable(v)}
+            candidates = sorted((v for v in keep & droppable if evictable(v)), key=lambda v: h(v, t, keep))
             if not candidates:
                 return None
             freed = 0
-            while candidates and freed < over * model.budget:  # enough to cover the excess, then measure again
-                v = min(candidates, key=lambda v: h(v, t, keep))  # each drop makes the others dearer
-                candidates.remove(v)
+            for v in candidates:  # enough to cover the excess, before measuring again
                 keep.remove(v)
                 freed += st.values[v].size
+                if freed >= over * model.budget:
+                    break
         resident = keep
     return x
 
