@@ -10,7 +10,6 @@ import pytest
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
-from magis.bench import methods
 from magis.bench.checkpointing import checkpoint_sqrt_segments
 from magis.bench.compare import Row, best_within, compare, pareto_front
 from magis.bench.methods import METHODS, PEER, MethodUnavailable, Subject, Variant, variants
@@ -111,10 +110,10 @@ def test_accumulation_with_compile():
     assert abs(simulated - measured) <= 0.02 * measured
 
 
-def test_rematerialization_peers_run_their_plans_for_real(monkeypatch):
+def test_rematerialization_peers_run_their_plans_for_real():
     """Checkmate's and DTR's plans recompute values; the magis runtime runs them with eager's
-    gradients, and the measured peak is the simulated one, within the budget."""
-    monkeypatch.setattr(methods, "CHECKMATE_TIME_LIMIT_S", 10.0)
+    gradients, and the measured peak is the simulated one, within the budget. (Checkmate's
+    program at 0.8 is solved to optimality in 5-12 s on two shared cores: its own time limit.)"""
     subject = Subject("unet", "tiny")
     chosen = [*variants(["eager"], [1.0]), Variant(METHODS["checkmate"], 0.8), Variant(METHODS["dtr"], 0.8)]
     runs = run_variants(subject, chosen)
