@@ -10,7 +10,6 @@ import pytest
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
-from magis.bench import methods
 from magis.bench.checkpointing import checkpoint_sqrt_segments
 from magis.bench.compare import Row, best_within, compare, pareto_front
 from magis.bench.methods import METHODS, PEER, MethodUnavailable, Subject, Variant, variants
@@ -111,21 +110,21 @@ def test_accumulation_with_compile():
     assert abs(simulated - measured) <= 0.02 * measured
 
 
-def test_rematerialization_peers_run_their_plans_for_real(monkeypatch):
+def test_rematerialization_peers_run_their_plans_for_real():
     """Checkmate's and DTR's plans recompute values; the magis runtime runs them with eager's
-    gradients, and the measured peak is the simulated one, within the budget."""
-    monkeypatch.setattr(methods, "CHECKMATE_TIME_LIMIT_S", 10.0)
+    gradients, and the measured peak is the simulated one, within the budget. (Checkmate's
+    program at 0.8 is solved to optimality in 5-12 s on two shared cores: its own time limit.)"""
     subject = Subject("unet", "tiny")
-    chosen = [*variants(["eager", "checkmate"], [1.0]), Variant(METHODS["dtr"], 0.8)]
+    chosen = [*variants(["eager"], [1.0]), Variant(METHODS["checkmate"], 0.8), Variant(METHODS["dtr"], 0.8)]
     runs = run_variants(subject, chosen)
-    assert set(runs) == {"eager", "checkmate@1", "dtr@0.8"}
-    for name in ("checkmate@1", "dtr@0.8"):
+    assert set(runs) == {"eager", "checkmate@0.8", "dtr@0.8"}
+    for name in ("checkmate@0.8", "dtr@0.8"):
         measured, simulated, error, _ = runs[name]
         assert error < 1e-5 and abs(simulated - measured) <= 0.02 * measured, name
         details = next(v for v in chosen if v.name == name).details(subject)
         assert details["recomputed_nodes"] > 0
         assert measured <= details["memory_limit_bytes"]
-    checkmate = next(v for v in chosen if v.name == "checkmate@1").details(subject)
+    checkmate = next(v for v in chosen if v.name == "checkmate@0.8").details(subject)
     assert checkmate["solver"] == "optimal" and checkmate["gap"] == 0.0 and checkmate["solve_s"] > 0
 
 

@@ -1,5 +1,6 @@
-"""The rematerialization baselines: Checkmate's MILP is optimal (against brute force), DTR keeps
-its budget or says it cannot, and both plans replay as graphs within their budgets."""
+"""The rematerialization baselines: Checkmate's MILP is optimal (against brute force), never
+infeasible where the step itself fits, however coarsely grouped; DTR keeps its budget or says
+it cannot; both plans replay as graphs within their budgets."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 
 import pytest
 
+from magis.bench.methods import Subject
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.models import build_workload, random_randwire_graph, random_training_graph
@@ -23,35 +25,35 @@ def _cost(name: str) -> float:
 
 def brute_force(st: Stages, budget: int) -> float | None:
     """The least total cost of Checkmate's program, by enumeration: per stage, every set of
-    earlier values to recompute and every set of values to keep, memory walked step by step."""
-    n = len(st)
+    earlier runs to recompute and every set of values to keep, memory walked step by step."""
+    n, size = len(st), st.size
     best: dict[frozenset[int], float] = {frozenset(): 0.0}
     for t in range(n):
         reachable: dict[frozenset[int], float] = {}
 
-        def useful(i: int, t: int = t) -> bool:  # a later stage may read it, or recompute a reader
-            return any(j > t or j not in st.fixed for j in st.users[i])
+        def useful(v: int, t: int = t) -> bool:  # a later stage may read it, or recompute a reader
+            return any(j > t or j not in st.fixed for j in st.values[v].readers)
 
         base = st.static + sum(st.kept[:t])
         for resident, cost in best.items():
             for r in range(t + 1):
-                for again in itertools.combinations([i for i in range(t) if i not in st.fixed], r):
+                for again in itertools.combinations([k for k in range(t) if k not in st.fixed], r):
                     computed = sorted({*again, t})
                     have = set(resident)
-                    if any(not set(st.deps[k]) <= have or have.add(k) for k in computed):
+                    if any(not set(st.reads[k]) <= have or have.update(st.made[k]) for k in computed):
                         continue
-                    pool = [i for i in sorted(have) if useful(i)]
+                    pool = [v for v in sorted(have) if useful(v)]
                     for m in range(len(pool) + 1):
                         for keep in map(set, itertools.combinations(pool, m)):
-                            live, fits = base + sum(st.size[i] for i in resident), True
+                            live, fits = base + sum(st.values[v].size for v in resident), True
                             for k in computed:
-                                live += st.size[k] + (st.kept[t] if k == t else 0)
-                                if live + st.workspace[k] > budget:
+                                live += size[k] + (st.kept[t] if k == t else 0)
+                                if live + st.workspace[k] + (st.kept[k] if k < t else 0) > budget:
                                     fits = False
                                     break
-                                for i in (*st.deps[k], k):
-                                    if i not in keep and not any(j in computed and j > k for j in st.users[i]):
-                                        live -= st.size[i]
+                                for v in (*st.reads[k], *st.made[k]):
+                                    if v not in keep and not any(j in computed and j > k for j in st.values[v].readers):
+                                        live -= st.values[v].size
                             total = cost + sum(st.cost[k] for k in computed)
                             if fits and total < reachable.get(frozenset(keep), float("inf")):
                                 reachable[frozenset(keep)] = total
@@ -62,7 +64,7 @@ def brute_force(st: Stages, budget: int) -> float | None:
 def budgets(problem: RematProblem, st: Stages) -> list[int]:
     """From the least any single step needs to the peak without recomputation."""
     low = max(
-        st.static + sum(st.kept[: k + 1]) + st.size[k] + st.workspace[k] + sum(st.size[d] for d in st.deps[k])
+        st.static + sum(st.kept[: k + 1]) + st.size[k] + st.workspace[k] + sum(st.values[v].size for v in st.reads[k])
         for k in range(len(st))
     )
     high = problem.no_remat_peak
@@ -105,6 +107,63 @@ def test_checkmate_recomputes_to_fit_a_budget_no_order_meets():
     plan = checkmate_plan(problem, budget)
     assert len(plan.sequence) > len(problem)  # something is computed twice
     assert plan.cost > sum(problem.cost)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    """ResNet-50 at tiny size: batch norms make several storages per unit (the output, the saved
+    statistics) and outputs of the step (running statistics); 132 units, so Checkmate groups them."""
+    return Subject("resnet50", "tiny")
+
+
+def test_sequence_peak_is_the_simulated_peak_of_the_replay(resnet):
+    problem = resnet.remat_problem
+    graph = resnet.graph
+    assert problem.no_remat_peak == simulate_memory(graph, [n.name for n in graph.nodes]).peak
+    batch_norms = [u for u, names in enumerate(problem.units) if "batch_norm" in names[0] and u not in problem.once]
+    sequence = list(range(len(problem)))
+    for u in batch_norms[::4]:  # recompute before the last reader (batch norm backward): outputs copied too
+        sequence.insert(sequence.index(max(problem.users[u])), u)
+    assert len(sequence) > len(problem)
+    assert sequence_peak(problem, sequence) == simulate_memory(*replay(problem, sequence)).peak
+
+
+@pytest.mark.parametrize("max_stages", [4, 12, 30])
+def test_checkmate_meets_the_steps_own_peak_however_grouped(resnet, max_stages):
+    """``checkmate@1`` (Checkmate's issue #151: budgets the unmodified model met declared infeasible)."""
+    problem = resnet.remat_problem
+    budget = resnet.memory_limit(1.0)
+    assert len(stages(problem, max_stages, budget)) < len(problem)
+    plan = checkmate_plan(problem, budget, max_stages=max_stages)
+    assert plan.stages < plan.units
+    assert plan.cost == pytest.approx(sum(problem.cost))  # nothing to recompute
+    assert simulate_memory(*replay(problem, plan.sequence)).peak <= budget
+
+
+def test_checkmate_groups_finer_where_the_grouped_program_is_infeasible(resnet):
+    problem = resnet.remat_problem
+    budget = resnet.memory_limit(0.7)
+    coarse = stages(problem, 4, budget)
+    plan = checkmate_plan(problem, budget, max_stages=4)
+    assert plan.stages > len(coarse)
+    assert len(plan.sequence) > len(problem)
+    assert simulate_memory(*replay(problem, plan.sequence)).peak <= budget
+
+
+def test_checkmate_starts_from_a_plan_that_fits(resnet):
+    """With no time to search, HiGHS still reports the eviction heuristic's plan."""
+    problem = resnet.remat_problem
+    budget = resnet.memory_limit(0.7)
+    plan = checkmate_plan(problem, budget, time_limit_s=1e-3, max_stages=30)
+    assert plan.status == "time limit"
+    assert len(plan.sequence) > len(problem)
+    assert simulate_memory(*replay(problem, plan.sequence)).peak <= budget
+
+
+def test_checkmate_names_the_unit_no_budget_fits(resnet):
+    problem = resnet.remat_problem
+    with pytest.raises(DoesNotFit, match=r"needs \d+ bytes with only its inputs"):
+        checkmate_plan(problem, problem.static + sum(problem.kept))
 
 
 @pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: f"{len(g)}-nodes")

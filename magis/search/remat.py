@@ -6,10 +6,15 @@ may free a value and compute it again when it is next needed. :func:`remat_probl
 reduces a magis :class:`~magis.ir.graph.Graph` to that form, with the exact
 reductions of :mod:`magis.schedule.problem`: parameters, inputs and their views
 (*inert* nodes) are resident throughout; a node that allocates nothing and has one
-predecessor (a view, ``getitem``...) joins its predecessor's *unit*, so a unit's
-value is the storages its producer allocates. Random ops are computed once
-(dropout is never drawn twice: DESIGN.md), and so is a unit whose storage another
-unit views; the bytes of graph outputs (gradients, loss) live to the end.
+predecessor (a view, ``getitem``...) joins its predecessor's *unit*. A unit makes
+the storages its producer allocates; those read by the same units form one
+:class:`Value`, freed after its last reader, so a multi-output operator (batch norm's
+output beside its saved statistics) frees each output when its own readers are done,
+as the simulator does. Random ops are computed once (dropout is never drawn twice:
+DESIGN.md), and so is a unit whose storage another unit views; the bytes of graph
+outputs (gradients, loss, buffer updates) live to the end. A unit with outputs may be
+computed again (batch norm, whose running statistics are outputs): its copies of them
+equal the step's, so their readers read the step's outputs and the copies are freed at once.
 
 A plan is a *sequence* of units, repeats being recomputations; :func:`replay` turns
 it into a graph in which every recomputation is a copy of the unit's nodes reading
@@ -35,20 +40,33 @@ class DoesNotFit(ValueError):
 
 
 @dataclass(frozen=True)
+class Value:
+    """Freeable storages one unit makes that the same units read: they live and die together."""
+
+    unit: int  # the unit that makes them
+    size: int  # bytes
+    readers: tuple[int, ...]  # the other units that read them, in order
+
+
+@dataclass(frozen=True)
 class RematProblem:
     """A graph as units in captured order, with what a rematerialization planner needs.
 
-    ``size[u]`` is the bytes unit ``u`` allocates that may be freed, ``kept[u]`` those that
-    live to the end of the step (graph outputs: gradients, loss, buffer updates; all of
-    a unit whose storage another unit views), ``workspace[u]`` what it holds only while
-    it runs, ``cost[u]`` its seconds; ``deps[u]`` the units whose values it
-    reads, ``users[u]`` those that read its value (both exclude ``u``); ``static``
-    the bytes resident for the whole step (parameters, buffers, inputs).
+    ``size[u]`` is the bytes unit ``u`` allocates that may be freed (its :attr:`values`,
+    listed by ``made[u]``), ``kept[u]`` those that live to the end of the step (graph
+    outputs: gradients, loss, buffer updates), ``workspace[u]`` what it holds only while
+    it runs, ``cost[u]`` its seconds; ``reads[u]`` the values it reads, ``deps[u]`` the
+    units it reads from (values, outputs or views), ``users[u]`` those that read
+    from it (both exclude ``u``); ``static`` the bytes resident for the whole step
+    (parameters, buffers, inputs).
     """
 
     graph: Graph
     units: tuple[tuple[str, ...], ...]
     inert: tuple[str, ...]
+    values: tuple[Value, ...]
+    made: tuple[tuple[int, ...], ...]
+    reads: tuple[tuple[int, ...], ...]
     size: tuple[int, ...]
     kept: tuple[int, ...]
     workspace: tuple[int, ...]
@@ -56,16 +74,10 @@ class RematProblem:
     deps: tuple[tuple[int, ...], ...]
     users: tuple[tuple[int, ...], ...]
     once: frozenset[int]  # never computed twice: random ops, and units whose storage another unit views
-    pinned: frozenset[int]  # with bytes that live to the end of the step (``kept``)
     static: int
 
     def __len__(self) -> int:
         return len(self.units)
-
-    @property
-    def fixed(self) -> frozenset[int]:
-        """Units Checkmate never recomputes: :attr:`once`, and the outputs (:attr:`pinned`)."""
-        return self.once | self.pinned
 
     @property
     def no_remat_peak(self) -> int:
@@ -81,70 +93,78 @@ def remat_problem(graph: Graph, cost: NodeCost) -> RematProblem:
     n = len(units)
     deps: list[set[int]] = [set() for _ in range(n)]
     users: list[set[int]] = [set() for _ in range(n)]
-    once: set[int] = set()
-    viewed: set[int] = set()  # units whose storage another unit views
+    once = {u for u, names in enumerate(units) if any(graph[name].random for name in names)}
     kept = [0] * n
-    for u, names in enumerate(units):
+    value_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (maker, readers) -> its Value's bytes, summed
+    for key, readers in facts.readers.items():
+        owner = unit_of[key[0]]
+        reader_units = {unit_of.get(reader, owner) for reader in readers} - {owner}
+        for w in reader_units:
+            users[owner].add(w)
+            deps[w].add(owner)
+        if any(unit_of[name] != owner for name in readers if key in graph.storages[name]):
+            once.add(owner)  # another unit views the storage: a second copy would not be the one it views
+        if key in facts.pinned:
+            kept[owner] += graph.storage_bytes[key]
+        else:
+            shared = (owner, tuple(sorted(reader_units)))
+            value_of[shared] = value_of.get(shared, 0) + graph.storage_bytes[key]
+    for u, names in enumerate(units):  # data edges too: an input that is persistent still orders the units
         for name in names:
-            if graph[name].random:
-                once.add(u)
-            for p in graph[name].inputs:  # data only: random units keep their order, run once
+            for p in graph[name].inputs:
                 if p in unit_of and unit_of[p] != u:
                     deps[u].add(unit_of[p])
-            for key in graph.storages[name]:
-                if key is None or key not in facts.readers:
-                    continue  # persistent
-                owner = unit_of[key[0]]
-                if owner != u:  # a view of another unit's storage keeps that storage alive
-                    viewed.add(owner)
-                if key in facts.pinned and key[0] == name:
-                    kept[u] += graph.storage_bytes[key]
-                for reader in facts.readers[key]:
-                    if unit_of.get(reader, owner) != owner:
-                        users[owner].add(unit_of[reader])
-                        deps[unit_of[reader]].add(owner)
-    size = [facts.alloc[names[0]] - kept[u] for u, names in enumerate(units)]
-    for u in viewed:
-        size[u], kept[u] = 0, kept[u] + size[u]
-    pinned = {u for u in range(n) if kept[u]} | viewed
+                    users[unit_of[p]].add(u)
+    values = tuple(Value(owner, size, readers) for (owner, readers), size in sorted(value_of.items()))
+    made: list[list[int]] = [[] for _ in range(n)]
+    reads: list[list[int]] = [[] for _ in range(n)]
+    for v, value in enumerate(values):
+        made[value.unit].append(v)
+        for w in value.readers:
+            reads[w].append(v)
     return RematProblem(
         graph=graph,
         units=tuple(tuple(u) for u in units),
         inert=tuple(inert),
-        size=tuple(size),
+        values=values,
+        made=tuple(map(tuple, made)),
+        reads=tuple(map(tuple, reads)),
+        size=tuple(sum(values[v].size for v in vs) for vs in made),
         kept=tuple(kept),
         workspace=tuple(graph[names[0]].workspace for names in units),
         cost=tuple(sum(cost(name) for name in names) for names in units),
         deps=tuple(tuple(sorted(d)) for d in deps),
         users=tuple(tuple(sorted(s)) for s in users),
-        once=frozenset(once | viewed),
-        pinned=frozenset(pinned),
+        once=frozenset(once),
         static=facts.persistent_bytes,
     )
 
 
 def sequence_peak(problem: RematProblem, sequence: Sequence[int]) -> int:
-    """Peak bytes of running the units in ``sequence`` (repeats recompute), each value
-    freed after the last step that reads it before it is computed again (its ``kept`` bytes never).
+    """Peak bytes of running the units in ``sequence`` (repeats recompute), each :class:`Value`
+    freed after the last step that reads it before it is computed again (``kept`` bytes: never
+    on their first computation, at once on a recomputation).
 
-    :func:`magis.cost.memory.simulate_memory` of the :func:`replay` of ``sequence``
-    gives the same figure where each unit's storages share their readers, less where
-    they do not (a unit's storages are freed here together, at the last read of any).
+    Equals :func:`magis.cost.memory.simulate_memory` of the :func:`replay` of ``sequence``.
     """
-    last_read: dict[tuple[int, int], int] = {}  # (unit, its computation) -> last step reading it
-    version = [-1] * len(problem)
-    made: list[tuple[int, int]] = []
+    latest = [-1] * len(problem)  # the step that last computed each unit
+    first: dict[int, int] = {}  # the step that first computed it: its outputs are the step's
+    last_read: dict[tuple[int, int], int] = {}  # (value, step that made it) -> last step reading it
     for step, u in enumerate(sequence):
         for d in problem.deps[u]:
-            if version[d] < 0:
+            if latest[d] < 0:
                 raise ValueError(f"unit {u} runs before its input {d} was computed")
-            last_read[(d, version[d])] = step
-        version[u] += 1
-        made.append((u, version[u]))
+        for v in problem.reads[u]:
+            last_read[(v, latest[problem.values[v].unit])] = step
+        latest[u] = step
+        first.setdefault(u, step)
     delta = [0] * (len(sequence) + 1)
-    for step, (u, v) in enumerate(made):
+    for step, u in enumerate(sequence):
         delta[step] += problem.size[u] + problem.kept[u]
-        delta[last_read.get((u, v), step) + 1] -= problem.size[u]
+        if first[u] != step:  # a recomputed copy's outputs are not the step's: no unit reads them
+            delta[step + 1] -= problem.kept[u]
+        for v in problem.made[u]:
+            delta[last_read.get((v, step), step) + 1] -= problem.values[v].size
     peak, live = 0, problem.static
     for step, u in enumerate(sequence):
         live += delta[step]
@@ -156,10 +176,13 @@ def replay(problem: RematProblem, sequence: Sequence[int]) -> tuple[Graph, tuple
     """The graph and order that run the units in ``sequence``, repeats as recomputed copies.
 
     A unit's first computation keeps its nodes' names; the ``r``-th recomputation
-    copies them as ``name.r<r>``, reading the latest copies of their inputs. Units of
+    copies them as ``name.r<r>``, reading the latest copies of their inputs, except that
+    a node whose storages are all outputs of the step is read in its first computation
+    (the copy holds the same values; the step's live to the end anyway). Units of
     :attr:`RematProblem.once` must appear once. Graph outputs and the signature are unchanged.
     """
     graph = problem.graph
+    pinned = memory_facts(graph).pinned
     latest: dict[str, str] = {}
     nodes: list[Node] = [graph[name] for name in problem.inert]
     times: dict[int, int] = {}
@@ -175,7 +198,9 @@ def replay(problem: RematProblem, sequence: Sequence[int]) -> tuple[Graph, tuple
                 return Ref(latest.get(ref.name, ref.name))
 
             nodes.append(replace(node, name=new, args=map_refs(node.args, ren), kwargs=map_refs(node.kwargs, ren)))
-            latest[name] = new
+            keys = [key for key in graph.storages[name] if key is not None]
+            if not keys or not all(key in pinned for key in keys):
+                latest[name] = new
     missing = [names[0] for u, names in enumerate(problem.units) if u not in times]
     if missing:
         raise ValueError(f"the sequence never computes {missing[0]}")
