@@ -31,12 +31,12 @@ OVERHEAD = 0.10  # latency overhead of the "within_overhead" figure
 
 def measure(name: str, device: str, schedule_seconds: float) -> dict[str, Any]:
     """Capture ``name`` at the paper preset and survey its F-Tree candidates."""
-    from magis.commands.common import load_graph
-    from magis.commands.fission import survey
+    from magis.bench.console import load_graph, log
     from magis.cost.latency import cost_model
+    from magis.search.single_fission import survey
 
     graph, capture_seconds = load_graph(name, "paper", None)
-    report = survey(graph, cost_model(device), schedule_seconds=schedule_seconds)
+    report = survey(graph, cost_model(device), schedule_seconds=schedule_seconds, progress=log)
     base_peak, base_latency = report["baseline_peak_bytes"], report["baseline_latency_s"]
     rows = report["candidates"]
     best = min(rows, key=lambda r: (r["simulated_peak_bytes"], r["simulated_latency_s"]), default=None)

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 
 from magis.bench.compare import Comparison, Row, best_within, compare
+from magis.bench.console import format_table, log
 from magis.bench.methods import DEFAULT_BUDGETS, MAGIS, METHODS, PEER
 from magis.bench.plot import plot_tradeoff
 from magis.bench.protocol import Rounds
-from magis.commands.common import format_table, log
 from magis.models import WORKLOADS
 
 #: the presets run, and how each is figured

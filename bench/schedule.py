@@ -67,7 +67,7 @@ def measure(name: str, graph: Graph, time_limit: float) -> dict:
 
 def measure_workload(name: str, time_limit: float) -> dict:
     """Capture a paper-size workload on fake tensors and :func:`measure` it (run in a subprocess)."""
-    from magis.commands.common import load_graph
+    from magis.bench.console import load_graph
 
     graph, capture_seconds = load_graph(name, "paper", None)
     row = measure(name, graph, time_limit)

@@ -1,16 +1,16 @@
-"""What every CLI command shares: loading a workload, capturing it, printing a report."""
+"""What every CLI command shares: its arguments and printing a report (progress lines,
+tables and loading a workload come from :mod:`magis.bench.console`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from typing import Any
 
-from magis.frontend.capture import capture_timed
-from magis.ir.graph import Graph
-from magis.models import PRESETS, build_workload
+from magis.bench.console import format_table, load_graph, log
+from magis.models import PRESETS
+
+__all__ = ["add_device_argument", "add_workload_arguments", "emit", "format_table", "load_graph", "log", "positive_int"]
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, presets: tuple[str, ...] = PRESETS) -> None:
@@ -41,21 +41,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def log(message: str) -> None:
-    """Progress goes to stderr so that --json output stays parseable."""
-    print(f"[magis {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def load_graph(name: str, preset: str, batch: int | None) -> tuple[Graph, float]:
-    """Build and capture a workload's training step: the graph and the capture seconds."""
-    log(f"building {name} ({preset})")
-    built = build_workload(name, preset, batch)
-    log(f"capturing {name} ({preset})")
-    captured = capture_timed(built.model, built.example_inputs, built.loss_fn)
-    log(f"captured {len(captured.graph)} nodes in {captured.seconds:.1f} s")
-    return captured.graph, captured.seconds
-
-
 def emit(report: dict[str, Any], as_json: bool) -> None:
     """Print a report: one JSON object, or aligned ``key: value`` lines (lists as tables)."""
     if as_json:
@@ -74,22 +59,4 @@ def format_value(key: str, value: Any) -> str:
         return f"{value} ({value / 2**20:.1f} MiB)"
     if isinstance(value, float):
         return f"{value:.6g}"
-    return str(value)
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain text table of dict rows with the same keys."""
-    keys = list(rows[0])
-    cells = [[format_cell(r.get(k)) for k in keys] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    lines = ["  ".join(k.rjust(w) for k, w in zip(keys, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
-
-
-def format_cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)[:40]
     return str(value)
