@@ -9,6 +9,11 @@
 - :func:`de_remat`: two nodes with the same operator and the same inputs become one
   (and so, in turn, do the readers that then coincide): the dual rule.
 
+:func:`remat` is :func:`remat_proposals` (Echo's estimate for every saved tensor, no
+graph built) followed by :func:`rematerialized` (each proposal rewritten and checked):
+a caller that needs only the best few, such as the greedy front of
+:mod:`magis.search.rule_front`, ranks the proposals and rewrites those alone.
+
 Echo's footprint estimate (Echo §IV-A) decides whether a recomputation is proposed:
 the bytes it frees at each peak step (the saved tensor no longer lives there) against
 the bytes it newly keeps alive there (inputs of the copies that would have died
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from magis.cost.latency import node_flops
+from magis.cost.latency import CostModel, node_flops
 from magis.ir.graph import Graph, Node, Ref, Role, is_view, map_refs
 from magis.rules.rewrite import (
     Rewrite,
@@ -234,13 +239,27 @@ def with_copies(graph: Graph, saved: SavedTensor, timeline: Timeline, segment: S
     return prune_dead(rebuild(graph, order, [*segment.nodes, *readers]), saved.carriers)
 
 
-def remat(
-    graph: Graph, order: Sequence[str] | None = None, heavy: bool = False, max_ops: int = MAX_OPS
-) -> list[Rewrite]:
-    """Re-materialization candidates around the memory hot-spots of ``order`` (MAGIS §5.2),
-    each a net saving at the peak by Echo's estimate (Echo §IV-A) that raises no other step
-    above the peak."""
-    timeline = Timeline.of(graph, order)
+@dataclass(frozen=True)
+class RematProposal:
+    """A recomputation Echo's estimate proposes (Echo §IV-A), before any graph is built:
+    the saved tensor, the copies that would replace it, the bytes it saves at the peak."""
+
+    saved: SavedTensor
+    segment: Segment
+    saving: int
+
+    @property
+    def target(self) -> str:
+        """The node that owns the saved storage."""
+        return self.saved.storage[0]
+
+
+def remat_proposals(
+    graph: Graph, timeline: Timeline, heavy: bool = False, max_ops: int = MAX_OPS
+) -> list[RematProposal]:
+    """Every saved tensor of ``timeline`` whose recomputation is a net saving at the peak by
+    Echo's estimate (bytes freed at each peak step minus bytes newly kept there); cheap,
+    nothing is rewritten or simulated (that is :func:`rematerialized`)."""
     found = []
     for saved in saved_tensors(graph, timeline):
         try:
@@ -248,19 +267,43 @@ def remat(
         except RematError:
             continue
         saving = net_saving(timeline, saved.freed, kept_alive(graph, timeline, segment.reads, saved.first_late))
-        if saving is None:
-            continue
-        result = with_copies(graph, saved, timeline, segment)
-        if not timeline.not_raised_by(result):
-            continue
-        owner = saved.storage[0]
-        description = (
-            f"remat {owner} ({graph[owner].op_name}) for {len(saved.late)} reader(s) after the peak: "
-            f"{segment.ops} op(s) recomputed, {saving} bytes saved at the peak"
-        )
-        touched = {n.name for n in segment.nodes} | set(saved.late) | (set(graph.index) - set(result.index))
-        found.append(Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), saving))
+        if saving is not None:
+            found.append(RematProposal(saved, segment, saving))
     return found
+
+
+def rematerialized(graph: Graph, timeline: Timeline, proposal: RematProposal) -> Rewrite | None:
+    """``proposal`` applied: the rewritten graph, or ``None`` where running the copies
+    would raise some step above the peak (Echo's guarantee: the footprint never grows)."""
+    saved, segment = proposal.saved, proposal.segment
+    result = with_copies(graph, saved, timeline, segment)
+    if not timeline.not_raised_by(result):
+        return None
+    description = (
+        f"remat {proposal.target} ({graph[proposal.target].op_name}) for {len(saved.late)} reader(s) after the "
+        f"peak: {segment.ops} op(s) recomputed, {proposal.saving} bytes saved at the peak"
+    )
+    touched = {n.name for n in segment.nodes} | set(saved.late) | (set(graph.index) - set(result.index))
+    return Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), proposal.saving)
+
+
+def recompute_seconds(graph: Graph, segment: Segment, model: CostModel) -> float:
+    """What the copies of ``segment`` add to the step, each priced as the node it copies
+    (a dropout's output, a free ``getitem``, as the dropout that made it: the copy reads
+    and writes as much)."""
+    priced = (graph[o].inputs[0] if _is_dropout_output(graph, graph[o]) else o for o in segment.copy_of)
+    return sum(model.node_seconds(graph, name) for name in priced)
+
+
+def remat(
+    graph: Graph, order: Sequence[str] | None = None, heavy: bool = False, max_ops: int = MAX_OPS
+) -> list[Rewrite]:
+    """Re-materialization candidates around the memory hot-spots of ``order`` (MAGIS §5.2),
+    each a net saving at the peak by Echo's estimate (Echo §IV-A) that raises no other step
+    above the peak."""
+    timeline = Timeline.of(graph, order)
+    found = (rematerialized(graph, timeline, p) for p in remat_proposals(graph, timeline, heavy, max_ops))
+    return [rewrite for rewrite in found if rewrite is not None]
 
 
 def _key(graph: Graph, node: Node) -> str:
