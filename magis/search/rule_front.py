@@ -20,11 +20,11 @@ its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats o
    Alg. 2, as the M-Optimizer does), the rule's own placement kept where it is better.
 
 Every round's state is a point; the greedy stops when no proposal makes progress, or
-at the time budget or round limit. The front is the points no other point beats on
-both peak and latency (:func:`pareto`): peaks strictly decreasing, latencies
-non-decreasing. Only the few candidates ranked best are ever simulated, which is what
-keeps a round at paper size (thousands of nodes, hundreds of proposals) to about a
-second.
+at the time budget, the round limit, or once a point is slower than a latency limit.
+The front is the points no other point beats on both peak and latency
+(:func:`pareto`): peaks strictly decreasing, latencies non-decreasing. Only the few
+candidates ranked best are ever simulated, which is what keeps a round at paper size
+(thousands of nodes, hundreds of proposals) to about a second.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class FrontPoint:
 
 @dataclass(frozen=True)
 class RuleFront:
-    """The Pareto front the greedy reached (first point: the scheduled step), every point
-    it visited, and why it stopped (``"no progress"``, ``"time budget"`` or ``"round limit"``)."""
+    """The Pareto front the greedy reached (first point: the scheduled step), every point it
+    visited, and why it stopped (``"no progress"``, ``"time budget"``, ``"round limit"`` or
+    ``"latency limit"``)."""
 
     points: tuple[FrontPoint, ...]
     visited: tuple[FrontPoint, ...]
@@ -90,6 +91,15 @@ class _Candidate:
 Propose = Callable[[Graph, Timeline], list[_Candidate]]
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """When the greedy stops short of running out of progress."""
+
+    time_budget: float  # seconds
+    max_rounds: int | None  # ``None``: no limit
+    latency_s: float | None  # stop once a point is slower than this (``None``: no limit)
+
+
 def recompute_front(
     graph: Graph,
     model: CostModel,
@@ -98,6 +108,7 @@ def recompute_front(
     max_ops: int = MAX_OPS,
     time_budget: float = DEFAULT_TIME_BUDGET_S,
     max_rounds: int | None = None,
+    latency_limit_s: float | None = None,
     progress: bool = False,
 ) -> RuleFront:
     """The front of recompute-only plans of ``graph`` (module docstring), from ``order``
@@ -114,7 +125,8 @@ def recompute_front(
             for p in remat_proposals(current, timeline, heavy, max_ops)
         ]
 
-    return _greedy(graph, model, order, propose, "recomputed", time_budget, max_rounds, progress)
+    limits = _Limits(time_budget, max_rounds, latency_limit_s)
+    return _greedy(graph, model, order, propose, "recomputed", limits, progress)
 
 
 def swap_front(
@@ -123,16 +135,13 @@ def swap_front(
     order: Sequence[str] | None = None,
     time_budget: float = DEFAULT_TIME_BUDGET_S,
     max_rounds: int | None = None,
+    latency_limit_s: float | None = None,
     progress: bool = False,
 ) -> RuleFront:
     """The front of swap-only plans of ``graph`` (module docstring), Loads placed to hide
     their transfers. Raises ValueError where ``model`` prices a device without memory of
-    its own (a CPU): swapping to host memory frees nothing there."""
-    if not has_device_memory(model):
-        raise ValueError(
-            "swapping frees no memory on a device whose memory is host memory (this cost model prices a CPU): "
-            "plan for a GPU (--device cuda, or a profile such as h200)"
-        )
+    its own (:func:`require_device_memory`)."""
+    require_device_memory(model)
 
     def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
         return [
@@ -140,7 +149,18 @@ def swap_front(
             for p in swap_proposals(current, timeline)
         ]
 
-    return _greedy(graph, model, order, propose, "swapped", time_budget, max_rounds, progress)
+    limits = _Limits(time_budget, max_rounds, latency_limit_s)
+    return _greedy(graph, model, order, propose, "swapped", limits, progress)
+
+
+def require_device_memory(model: CostModel) -> None:
+    """Raise ValueError unless ``model`` prices a device with memory of its own (a GPU):
+    on a CPU, host memory is device memory and a swap frees nothing."""
+    if not has_device_memory(model):
+        raise ValueError(
+            "swapping frees no memory on a CPU, whose memory is host memory: plan for a GPU "
+            "(--device cuda on a machine with one, or a device profile such as h200)"
+        )
 
 
 def pareto(points: Sequence[FrontPoint]) -> tuple[FrontPoint, ...]:
@@ -159,26 +179,28 @@ def _greedy(
     order: Sequence[str] | None,
     propose: Propose,
     kind: str,
-    time_budget: float,
-    max_rounds: int | None,
+    limits: _Limits,
     progress: bool,
 ) -> RuleFront:
-    """Rounds of the module docstring until no progress, the time budget or ``max_rounds``."""
-    if not time_budget > 0:
-        raise ValueError(f"the time budget must be a positive number of seconds, got {time_budget!r}")
+    """Rounds of the module docstring until no progress or one of ``limits``."""
+    if not limits.time_budget > 0:
+        raise ValueError(f"the time budget must be a positive number of seconds, got {limits.time_budget!r}")
     start = time.perf_counter()
-    deadline = start + time_budget
+    deadline = start + limits.time_budget
     order = tuple(schedule(graph).order if order is None else order)
     current = _point(graph, order, model)
     visited = [current]
     stopped_by = "no progress"
     with tqdm(desc=f"magis: {kind} greedy", unit="round", disable=not progress) as bar:
         while True:
-            if max_rounds is not None and len(visited) > max_rounds:
+            if limits.max_rounds is not None and len(visited) > limits.max_rounds:
                 stopped_by = "round limit"
                 break
             if time.perf_counter() > deadline:
                 stopped_by = "time budget"
+                break
+            if limits.latency_s is not None and current.latency_s > limits.latency_s:
+                stopped_by = "latency limit"
                 break
             step = _best_step(current, model, propose, deadline)
             if step is None:
