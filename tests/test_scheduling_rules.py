@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -170,6 +171,29 @@ def test_refusals_name_their_reason():
     saved = next(s for s in saved_tensors(graph, timeline) if s.storage[0] == matmul)
     with pytest.raises(RematError, match="compute-heavy"):
         recompute(graph, saved, timeline)
+
+
+def test_recompute_refuses_what_it_cannot_recompute_and_says_why():
+    """The public entry point, asked for a random op's output without its mask or for an op
+    with side effects, raises :class:`RematError` naming the cause, and the rule proposes neither."""
+    graph = mlp_step().graph
+    dropout = next(n.name for n in graph.nodes if n.target is aten.native_dropout.default)
+    mask = next(n for n in graph.consumers[dropout] if graph[n].args[1] == 1)
+    maskless = _without_mask(graph, mask)
+    timeline = Timeline.of(maskless)
+    saved = next(s for s in saved_tensors(maskless, timeline) if s.storage == (dropout, 0))
+    with pytest.raises(RematError, match=r"cannot recompute \S+: the dropout's mask is not kept"):
+        recompute(maskless, saved, timeline)
+    assert not any(r.description.startswith(f"remat {dropout} ") for r in remat(maskless))
+
+    matmul = next(n.name for n in graph.nodes if n.target is aten.addmm.default)
+    in_place = dataclasses.replace(graph[matmul], target=aten.addmm_.default)
+    mutating = Graph(tuple(in_place if n.name == matmul else n for n in graph.nodes), graph.outputs, graph.signature)
+    timeline = Timeline.of(mutating)
+    saved = next(s for s in saved_tensors(mutating, timeline) if s.storage[0] == matmul)
+    with pytest.raises(RematError, match=re.escape(f"cannot recompute {matmul}: aten.addmm_.default has side effects")):
+        recompute(mutating, saved, timeline, heavy=True)
+    assert not any(r.description.startswith(f"remat {matmul} ") for r in remat(mutating, heavy=True))
 
 
 def _without_mask(graph: Graph, mask: str) -> Graph:
