@@ -19,8 +19,9 @@ the bytes it frees at each peak step (the saved tensor no longer lives there) ag
 the bytes it newly keeps alive there (inputs of the copies that would have died
 before it); only a net saving at the peak, with no peak step growing, is proposed.
 Cheap operators are recomputed (pointwise ops, activations, normalisations,
-softmax, views); matrix products and convolutions only with ``heavy=True``
-(Echo §IV-B notes their gradients need only their inputs, so recomputing them is
+softmax, views, and bandwidth-bound data movement: concatenation, padding, pooling,
+embedding lookups, casts, mean and sum); matrix products and convolutions only with
+``heavy=True`` (Echo §IV-B notes their gradients need only their inputs, so recomputing them is
 the costly choice).
 
 Random numbers are never drawn again (DESIGN.md): a random op is never copied. The
@@ -54,9 +55,18 @@ from magis.rules.rewrite import (
 
 aten = torch.ops.aten
 
-#: cheap operators that are not tagged pointwise: normalisations and softmax (bandwidth bound)
+#: cheap operators that are not tagged pointwise, all deterministic and bandwidth bound:
+#: normalisations, softmax, and data movement (each reads and writes about its output once)
 CHEAP_OPS = frozenset(
     {
+        aten.cat.default,
+        aten.constant_pad_nd.default,
+        aten.max_pool2d_with_indices.default,
+        aten.avg_pool2d.default,
+        aten.embedding.default,
+        aten._to_copy.default,
+        aten.mean.dim,
+        aten.sum.dim_IntList,
         aten.native_layer_norm.default,
         aten.native_batch_norm.default,
         aten._native_batch_norm_legit_functional.default,
@@ -98,7 +108,8 @@ def why_not_recomputable(graph: Graph, name: str, heavy: bool = False) -> str | 
         return None
     if node_flops(graph, name) > 0:
         return None if heavy else f"{node.op_name} is compute-heavy: recompute it only with heavy=True"
-    return f"{node.op_name} is not among the operators recomputed (pointwise, normalisation, softmax, views)"
+    cheap = "pointwise, normalisation, softmax, views, data movement"
+    return f"{node.op_name} is not among the operators recomputed ({cheap})"
 
 
 def _is_dropout_output(graph: Graph, node: Node) -> bool:
@@ -261,7 +272,7 @@ def remat_proposals(
     Echo's estimate (bytes freed at each peak step minus bytes newly kept there); cheap,
     nothing is rewritten or simulated (that is :func:`rematerialized`)."""
     found = []
-    for saved in saved_tensors(graph, timeline):
+    for saved in joined_by_owner(graph, saved_tensors(graph, timeline)):
         try:
             segment = plan_recompute(graph, saved, timeline, heavy, max_ops)
         except RematError:
@@ -270,6 +281,36 @@ def remat_proposals(
         if saving is not None:
             found.append(RematProposal(saved, segment, saving))
     return found
+
+
+def joined_by_owner(graph: Graph, saved: Sequence[SavedTensor]) -> list[SavedTensor]:
+    """The saved outputs of one multi-output operator as one saved tensor: one copy of the
+    operator recomputes them all (max pooling's values and indices, a layer norm's output,
+    mean and rstd), where recomputing each apart would run the operator once per output.
+    A random operator's outputs stay apart: a dropout's output is recomputed from its mask,
+    which itself is never recomputed."""
+    groups: dict[str, list[SavedTensor]] = {}
+    for s in saved:
+        owner = s.storage[0]
+        groups.setdefault(owner if graph[owner].tuple_output and not graph[owner].random else s.storage, []).append(s)
+    joined = []
+    for parts in groups.values():
+        first = parts[0]
+        if len(parts) == 1:
+            joined.append(first)
+            continue
+        late: dict[str, tuple[str, ...]] = {}
+        freed: dict[int, int] = {}
+        for part in parts:
+            for reader, carriers in part.late.items():
+                late[reader] = tuple(dict.fromkeys((*late.get(reader, ()), *carriers)))
+            for step, nbytes in part.freed.items():
+                freed[step] = freed.get(step, 0) + nbytes
+        carriers = tuple(dict.fromkeys(c for part in parts for c in part.carriers))
+        nbytes = sum(part.nbytes for part in parts)
+        first_late = min(part.first_late for part in parts)
+        joined.append(SavedTensor(first.storage, nbytes, carriers, late, first_late, freed))
+    return joined
 
 
 def rematerialized(graph: Graph, timeline: Timeline, proposal: RematProposal) -> Rewrite | None:
