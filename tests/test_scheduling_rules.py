@@ -129,6 +129,21 @@ def greedy(graph: Graph, steps: int, heavy: bool = False) -> tuple[Graph, list[R
     return graph, taken
 
 
+def test_a_multi_output_operator_is_recomputed_once_for_all_its_saved_outputs():
+    """U-Net's max pooling saves its values (read by the next convolution's backward) and its
+    indices (read by its own backward): one copy of the pooling serves both, and the step
+    still computes what eager does."""
+    step = step_of(in_float64(WORKLOADS["unet"].build("tiny", seed=0)), "unet")
+    graph = step.graph
+    pool = aten.max_pool2d_with_indices.default
+    (candidate,) = [c for c in remat(graph) if c.description.startswith("remat max_pool2d_with_indices ")]
+    copies = [n for n in candidate.graph.nodes if n.target is pool and n.name not in graph.index]
+    assert len(copies) == 1
+    elements = {candidate.graph[c].args[1] for c in candidate.graph.consumers[copies[0].name]}
+    assert elements == {0, 1}
+    assert_runs_like_eager(step, candidate.graph, candidate.order)
+
+
 def test_dropout_output_is_recomputed_from_its_mask_and_the_peak_drops():
     """The saved dropout output (fp64, 8 bytes an element) gives way to x * mask * scale from
     the bool mask that dropout's backward keeps anyway; gelu's output, the dropout's input,
