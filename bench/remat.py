@@ -25,6 +25,9 @@ the figures of the points it reaches.
 
     python bench/remat.py [--models bert-base,unet] [--presets paper,small] [--device h200]
         [--time-budget 300] [--out results/remat]
+
+The summary reads every ``<workload>-<preset>.json`` in ``--out``, so workloads can be run
+by separate invocations (``--models ""`` only prints the summary).
 """
 
 from __future__ import annotations
@@ -154,16 +157,16 @@ def main() -> int:
     if args.one:
         print(json.dumps(front_of(args.one, args.presets, args.device, args.time_budget, args.out)))
         return 0
-    results = []
-    for preset in args.presets.split(","):
-        for name in args.models.split(","):
+    presets = args.presets.split(",")
+    for preset in presets:
+        for name in filter(None, args.models.split(",")):
             print(f"[remat] {name} ({preset}) ...", file=sys.stderr, flush=True)
             options = ["--presets", preset, "--device", args.device, "--time-budget", str(args.time_budget)]
             result = measure_in_subprocess(__file__, name, *options, "--out", str(args.out))
             write_json(args.out / f"{name}-{preset}.json", result)
-            results.append(result)
             print(f"[remat] {name}: {summary_row(result)}", file=sys.stderr, flush=True)
-    rows = [summary_row(r) for r in results]
+    done = [args.out / f"{name}-{preset}.json" for preset in presets for name in WORKLOADS]
+    rows = [summary_row(json.loads(path.read_text())) for path in done if path.exists()]
     write_json(args.out / "summary.json", rows)
     print("peak ratio @latency ratio against eager; compile@B: its point vs the front's lowest peak, no slower")
     for row in rows:
