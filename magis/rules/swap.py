@@ -53,6 +53,7 @@ class SwapProposal:
 
     @property
     def target(self) -> str:
+        """The node whose value is swapped out."""
         return self.holder
 
 
