@@ -69,10 +69,11 @@ def run_json(capsys, *argv: str) -> dict:
 
 
 @pytest.mark.parametrize("rule", ["remat", "swap"])
-def test_remat_json_has_the_documented_keys_and_runs_like_eager(rule, capsys):
+def test_remat_json_has_the_documented_keys_and_runs_like_eager(rule, capsys, tmp_path):
     """Every plan of the front, run by the magis runtime (a swap's host copies apart), peaks
-    where the simulator says (within 2%) and computes eager's gradients."""
-    options = ["--swap"] if rule == "swap" else ["--latency-limit", "1.03"]
+    where the simulator says (within 2%) and computes eager's gradients; the front is drawn."""
+    plot = tmp_path / "front.png"
+    options = ["--plot", str(plot), *(["--swap"] if rule == "swap" else ["--latency-limit", "1.03"])]
     report = run_json(capsys, "remat", "vit-base", "--preset", "tiny", "--device", "h200", "--run", "--json", *options)
     for key in ("model", "preset", "device", "baseline_peak_bytes", "baseline_latency_s", "front"):
         assert key in report, key
@@ -83,6 +84,7 @@ def test_remat_json_has_the_documented_keys_and_runs_like_eager(rule, capsys):
             assert key in point, key
         assert abs(point["measured_peak_bytes"] - point["peak_bytes"]) <= 0.02 * point["peak_bytes"]
         assert point["max_grad_error"] < 1e-4
+    assert report["plot"] == str(plot) and plot.stat().st_size > 0
     changed = report["front"][-1]["swapped" if rule == "swap" else "recomputed"]
     unchanged = report["front"][-1]["recomputed" if rule == "swap" else "swapped"]
     assert changed and not unchanged
