@@ -24,7 +24,7 @@ only, so a loaded machine changes how far the greedy gets in ``--time-budget``, 
 the figures of the points it reaches.
 
     python bench/remat.py [--models bert-base,unet] [--presets paper,small] [--device h200]
-        [--time-budget 300] [--out results/remat]
+        [--time-budget 300] [--max-ops 4] [--out results/remat]
 
 The summary reads every ``<workload>-<preset>.json`` in ``--out``, so workloads can be run
 by separate invocations (``--models ""`` only prints the summary).
@@ -49,7 +49,7 @@ OVERHEADS = (0.10, 0.30)
 LATENCY_LIMIT = 1.40
 
 
-def front_of(name: str, preset: str, device: str, time_budget: float, out: Path) -> dict[str, Any]:
+def front_of(name: str, preset: str, device: str, time_budget: float, max_ops: int, out: Path) -> dict[str, Any]:
     """The recompute-only front of one workload and the baselines' points, in this process
     (its PNG written to ``out``)."""
     from magis.api import measure_against_eager
@@ -65,7 +65,8 @@ def front_of(name: str, preset: str, device: str, time_budget: float, out: Path)
     subject = Subject(name, preset)
     graph, captured = subject.graph, [n.name for n in subject.graph.nodes]
     peak, latency = simulate_memory(graph, captured).peak, estimate_latency(graph, captured, model).total_s
-    result = recompute_front(graph, model, time_budget=time_budget, latency_limit_s=LATENCY_LIMIT * latency)
+    limit = LATENCY_LIMIT * latency
+    result = recompute_front(graph, model, max_ops=max_ops, time_budget=time_budget, latency_limit_s=limit)
     front = []
     for point in result.points:
         row = {
@@ -145,6 +146,7 @@ def summary_row(result: dict[str, Any]) -> dict[str, str]:
 
 def main() -> int:
     from magis.models import WORKLOADS
+    from magis.rules.remat import MAX_OPS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/remat"), help="results folder")
@@ -152,16 +154,20 @@ def main() -> int:
     parser.add_argument("--presets", default="paper", help="paper (simulated), small (simulated, fronts run too)")
     parser.add_argument("--device", default="h200", help="device profile of the simulated latencies")
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds of greedy per workload")
+    parser.add_argument(
+        "--max-ops", type=int, default=MAX_OPS, help=f"operators one recomputation may copy (default {MAX_OPS})"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one workload, print JSON
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(front_of(args.one, args.presets, args.device, args.time_budget, args.out)))
+        print(json.dumps(front_of(args.one, args.presets, args.device, args.time_budget, args.max_ops, args.out)))
         return 0
     presets = args.presets.split(",")
     for preset in presets:
         for name in filter(None, args.models.split(",")):
             print(f"[remat] {name} ({preset}) ...", file=sys.stderr, flush=True)
             options = ["--presets", preset, "--device", args.device, "--time-budget", str(args.time_budget)]
+            options += ["--max-ops", str(args.max_ops)]
             result = measure_in_subprocess(__file__, name, *options, "--out", str(args.out))
             write_json(args.out / f"{name}-{preset}.json", result)
             print(f"[remat] {name}: {summary_row(result)}", file=sys.stderr, flush=True)

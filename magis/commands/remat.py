@@ -16,11 +16,12 @@ import argparse
 from typing import Any
 
 from magis.api import measure_against_eager
-from magis.commands.common import add_device_argument, add_workload_arguments, emit, log
+from magis.commands.common import add_device_argument, add_workload_arguments, emit, log, positive_int
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.models import build_workload
+from magis.rules.remat import MAX_OPS
 from magis.search.rule_front import DEFAULT_TIME_BUDGET_S, recompute_front, require_device_memory, swap_front
 
 
@@ -32,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cheap-only",
         action="store_true",
         help="recompute only cheap operators (pointwise, normalisation, softmax, views), never matmul/conv",
+    )
+    parser.add_argument(
+        "--max-ops",
+        type=positive_int,
+        default=MAX_OPS,
+        help=f"operators one recomputation may copy, a segment's length (default: {MAX_OPS})",
     )
     parser.add_argument(
         "--latency-limit",
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         heavy = not args.cheap_only
         result = recompute_front(
-            graph, model, None, heavy, time_budget=args.time_budget, latency_limit_s=limit, progress=not args.json
+            graph, model, None, heavy, args.max_ops, args.time_budget, latency_limit_s=limit, progress=not args.json
         )
     front: list[dict[str, Any]] = []
     for i, point in enumerate(result.points):
