@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("magis.commands.profile", "capture a workload; simulate (and optionally run) its training step"),
     "schedule": ("magis.commands.schedule", "find a memory-optimal operator order for a workload"),
     "fission": ("magis.commands.fission", "list the F-Tree's fission candidates of a workload"),
+    "remat": ("magis.commands.remat", "the peak/latency front of recompute-only (or swap-only) plans, by a greedy"),
     "optimize": ("magis.commands.optimize", "search for the plan that fits a memory or latency limit (MAGIS Alg. 3)"),
     "bench": ("magis.commands.bench", "compare magis with its peers on a workload"),
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -128,6 +129,21 @@ def greedy(graph: Graph, steps: int, heavy: bool = False) -> tuple[Graph, list[R
     return graph, taken
 
 
+def test_a_multi_output_operator_is_recomputed_once_for_all_its_saved_outputs():
+    """U-Net's max pooling saves its values (read by the next convolution's backward) and its
+    indices (read by its own backward): one copy of the pooling serves both, and the step
+    still computes what eager does."""
+    step = step_of(in_float64(WORKLOADS["unet"].build("tiny", seed=0)), "unet")
+    graph = step.graph
+    pool = aten.max_pool2d_with_indices.default
+    (candidate,) = [c for c in remat(graph) if c.description.startswith("remat max_pool2d_with_indices ")]
+    copies = [n for n in candidate.graph.nodes if n.target is pool and n.name not in graph.index]
+    assert len(copies) == 1
+    elements = {candidate.graph[c].args[1] for c in candidate.graph.consumers[copies[0].name]}
+    assert elements == {0, 1}
+    assert_runs_like_eager(step, candidate.graph, candidate.order)
+
+
 def test_dropout_output_is_recomputed_from_its_mask_and_the_peak_drops():
     """The saved dropout output (fp64, 8 bytes an element) gives way to x * mask * scale from
     the bool mask that dropout's backward keeps anyway; gelu's output, the dropout's input,
@@ -170,6 +186,29 @@ def test_refusals_name_their_reason():
     saved = next(s for s in saved_tensors(graph, timeline) if s.storage[0] == matmul)
     with pytest.raises(RematError, match="compute-heavy"):
         recompute(graph, saved, timeline)
+
+
+def test_recompute_refuses_what_it_cannot_recompute_and_says_why():
+    """The public entry point, asked for a random op's output without its mask or for an op
+    with side effects, raises :class:`RematError` naming the cause, and the rule proposes neither."""
+    graph = mlp_step().graph
+    dropout = next(n.name for n in graph.nodes if n.target is aten.native_dropout.default)
+    mask = next(n for n in graph.consumers[dropout] if graph[n].args[1] == 1)
+    maskless = _without_mask(graph, mask)
+    timeline = Timeline.of(maskless)
+    saved = next(s for s in saved_tensors(maskless, timeline) if s.storage == (dropout, 0))
+    with pytest.raises(RematError, match=r"cannot recompute \S+: the dropout's mask is not kept"):
+        recompute(maskless, saved, timeline)
+    assert not any(r.description.startswith(f"remat {dropout} ") for r in remat(maskless))
+
+    matmul = next(n.name for n in graph.nodes if n.target is aten.addmm.default)
+    in_place = dataclasses.replace(graph[matmul], target=aten.addmm_.default)
+    mutating = Graph(tuple(in_place if n.name == matmul else n for n in graph.nodes), graph.outputs, graph.signature)
+    timeline = Timeline.of(mutating)
+    saved = next(s for s in saved_tensors(mutating, timeline) if s.storage[0] == matmul)
+    with pytest.raises(RematError, match=re.escape(f"cannot recompute {matmul}: aten.addmm_.default has side effects")):
+        recompute(mutating, saved, timeline, heavy=True)
+    assert not any(r.description.startswith(f"remat {matmul} ") for r in remat(mutating, heavy=True))
 
 
 def _without_mask(graph: Graph, mask: str) -> Graph:

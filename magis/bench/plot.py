@@ -1,7 +1,9 @@
-"""The memory-latency plane of a comparison: one marker per method, the Pareto front drawn."""
+"""The memory-latency plane: a comparison (one marker per method, the Pareto front drawn), or a
+rule's front beside the peers' points."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -68,3 +70,30 @@ def _label_points(ax: Axes, rows: list[Row]) -> None:
             va="bottom" if i % 2 == 0 else "top",
             fontsize=8,
         )
+
+
+def plot_front(
+    title: str, front: Sequence[tuple[float, float]], path: str | Path, rows: Sequence[Row] = (), label: str = "front"
+) -> Path:
+    """Write a PNG of a front of ``(peak ratio, latency ratio)`` points (drawn as a step line),
+    beside ``rows``' points, each labelled (both against eager)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(7, 5))
+    ax = fig.subplots()
+    xs, ys = zip(*sorted(front)) if front else ((), ())
+    ax.step(xs, ys, where="post", color="C0", marker=".", label=label, zorder=2)
+    for i, row in enumerate(rows):
+        ax.scatter(row.peak_ratio, row.latency_ratio, s=60, color=f"C{(i + 1) % 10}", zorder=3)
+    if rows:
+        _label_points(ax, list(rows))
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.axvline(1.0, color="black", linewidth=0.5)
+    ax.set_title(title)
+    ax.set_xlabel("peak memory / eager")
+    ax.set_ylabel("latency / eager")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path

@@ -9,13 +9,19 @@
 - :func:`de_remat`: two nodes with the same operator and the same inputs become one
   (and so, in turn, do the readers that then coincide): the dual rule.
 
+:func:`remat` is :func:`remat_proposals` (Echo's estimate for every saved tensor, no
+graph built) followed by :func:`rematerialized` (each proposal rewritten and checked):
+a caller that needs only the best few, such as the greedy front of
+:mod:`magis.search.rule_front`, ranks the proposals and rewrites those alone.
+
 Echo's footprint estimate (Echo §IV-A) decides whether a recomputation is proposed:
 the bytes it frees at each peak step (the saved tensor no longer lives there) against
 the bytes it newly keeps alive there (inputs of the copies that would have died
 before it); only a net saving at the peak, with no peak step growing, is proposed.
 Cheap operators are recomputed (pointwise ops, activations, normalisations,
-softmax, views); matrix products and convolutions only with ``heavy=True``
-(Echo §IV-B notes their gradients need only their inputs, so recomputing them is
+softmax, views, and bandwidth-bound data movement: concatenation, padding, pooling,
+embedding lookups, casts, mean and sum); matrix products and convolutions only with
+``heavy=True`` (Echo §IV-B notes their gradients need only their inputs, so recomputing them is
 the costly choice).
 
 Random numbers are never drawn again (DESIGN.md): a random op is never copied. The
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from magis.cost.latency import node_flops
+from magis.cost.latency import CostModel, node_flops
 from magis.ir.graph import Graph, Node, Ref, Role, is_view, map_refs
 from magis.rules.rewrite import (
     Rewrite,
@@ -49,9 +55,18 @@ from magis.rules.rewrite import (
 
 aten = torch.ops.aten
 
-#: cheap operators that are not tagged pointwise: normalisations and softmax (bandwidth bound)
+#: cheap operators that are not tagged pointwise, all deterministic and bandwidth bound:
+#: normalisations, softmax, and data movement (each reads and writes about its output once)
 CHEAP_OPS = frozenset(
     {
+        aten.cat.default,
+        aten.constant_pad_nd.default,
+        aten.max_pool2d_with_indices.default,
+        aten.avg_pool2d.default,
+        aten.embedding.default,
+        aten._to_copy.default,
+        aten.mean.dim,
+        aten.sum.dim_IntList,
         aten.native_layer_norm.default,
         aten.native_batch_norm.default,
         aten._native_batch_norm_legit_functional.default,
@@ -93,7 +108,8 @@ def why_not_recomputable(graph: Graph, name: str, heavy: bool = False) -> str | 
         return None
     if node_flops(graph, name) > 0:
         return None if heavy else f"{node.op_name} is compute-heavy: recompute it only with heavy=True"
-    return f"{node.op_name} is not among the operators recomputed (pointwise, normalisation, softmax, views)"
+    cheap = "pointwise, normalisation, softmax, views, data movement"
+    return f"{node.op_name} is not among the operators recomputed ({cheap})"
 
 
 def _is_dropout_output(graph: Graph, node: Node) -> bool:
@@ -234,6 +250,92 @@ def with_copies(graph: Graph, saved: SavedTensor, timeline: Timeline, segment: S
     return prune_dead(rebuild(graph, order, [*segment.nodes, *readers]), saved.carriers)
 
 
+@dataclass(frozen=True)
+class RematProposal:
+    """A recomputation Echo's estimate proposes (Echo §IV-A), before any graph is built:
+    the saved tensor, the copies that would replace it, the bytes it saves at the peak."""
+
+    saved: SavedTensor
+    segment: Segment
+    saving: int
+
+    @property
+    def target(self) -> str:
+        """The node that owns the saved storage."""
+        return self.saved.storage[0]
+
+
+def remat_proposals(
+    graph: Graph, timeline: Timeline, heavy: bool = False, max_ops: int = MAX_OPS
+) -> list[RematProposal]:
+    """Every saved tensor of ``timeline`` whose recomputation is a net saving at the peak by
+    Echo's estimate (bytes freed at each peak step minus bytes newly kept there); cheap,
+    nothing is rewritten or simulated (that is :func:`rematerialized`)."""
+    found = []
+    for saved in joined_by_owner(graph, saved_tensors(graph, timeline)):
+        try:
+            segment = plan_recompute(graph, saved, timeline, heavy, max_ops)
+        except RematError:
+            continue
+        saving = net_saving(timeline, saved.freed, kept_alive(graph, timeline, segment.reads, saved.first_late))
+        if saving is not None:
+            found.append(RematProposal(saved, segment, saving))
+    return found
+
+
+def joined_by_owner(graph: Graph, saved: Sequence[SavedTensor]) -> list[SavedTensor]:
+    """The saved outputs of one multi-output operator as one saved tensor: one copy of the
+    operator recomputes them all (max pooling's values and indices, a layer norm's output,
+    mean and rstd), where recomputing each apart would run the operator once per output.
+    A random operator's outputs stay apart: a dropout's output is recomputed from its mask,
+    which itself is never recomputed."""
+    groups: dict[str, list[SavedTensor]] = {}
+    for s in saved:
+        owner = s.storage[0]
+        groups.setdefault(owner if graph[owner].tuple_output and not graph[owner].random else s.storage, []).append(s)
+    joined = []
+    for parts in groups.values():
+        first = parts[0]
+        if len(parts) == 1:
+            joined.append(first)
+            continue
+        late: dict[str, tuple[str, ...]] = {}
+        freed: dict[int, int] = {}
+        for part in parts:
+            for reader, carriers in part.late.items():
+                late[reader] = tuple(dict.fromkeys((*late.get(reader, ()), *carriers)))
+            for step, nbytes in part.freed.items():
+                freed[step] = freed.get(step, 0) + nbytes
+        carriers = tuple(dict.fromkeys(c for part in parts for c in part.carriers))
+        nbytes = sum(part.nbytes for part in parts)
+        first_late = min(part.first_late for part in parts)
+        joined.append(SavedTensor(first.storage, nbytes, carriers, late, first_late, freed))
+    return joined
+
+
+def rematerialized(graph: Graph, timeline: Timeline, proposal: RematProposal) -> Rewrite | None:
+    """``proposal`` applied: the rewritten graph, or ``None`` where running the copies
+    would raise some step above the peak (Echo's guarantee: the footprint never grows)."""
+    saved, segment = proposal.saved, proposal.segment
+    result = with_copies(graph, saved, timeline, segment)
+    if not timeline.not_raised_by(result):
+        return None
+    description = (
+        f"remat {proposal.target} ({graph[proposal.target].op_name}) for {len(saved.late)} reader(s) after the "
+        f"peak: {segment.ops} op(s) recomputed, {proposal.saving} bytes saved at the peak"
+    )
+    touched = {n.name for n in segment.nodes} | set(saved.late) | (set(graph.index) - set(result.index))
+    return Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), proposal.saving)
+
+
+def recompute_seconds(graph: Graph, segment: Segment, model: CostModel) -> float:
+    """What the copies of ``segment`` add to the step, each priced as the node it copies
+    (a dropout's output, a free ``getitem``, as the dropout that made it: the copy reads
+    and writes as much)."""
+    priced = (graph[o].inputs[0] if _is_dropout_output(graph, graph[o]) else o for o in segment.copy_of)
+    return sum(model.node_seconds(graph, name) for name in priced)
+
+
 def remat(
     graph: Graph, order: Sequence[str] | None = None, heavy: bool = False, max_ops: int = MAX_OPS
 ) -> list[Rewrite]:
@@ -241,26 +343,8 @@ def remat(
     each a net saving at the peak by Echo's estimate (Echo §IV-A) that raises no other step
     above the peak."""
     timeline = Timeline.of(graph, order)
-    found = []
-    for saved in saved_tensors(graph, timeline):
-        try:
-            segment = plan_recompute(graph, saved, timeline, heavy, max_ops)
-        except RematError:
-            continue
-        saving = net_saving(timeline, saved.freed, kept_alive(graph, timeline, segment.reads, saved.first_late))
-        if saving is None:
-            continue
-        result = with_copies(graph, saved, timeline, segment)
-        if not timeline.not_raised_by(result):
-            continue
-        owner = saved.storage[0]
-        description = (
-            f"remat {owner} ({graph[owner].op_name}) for {len(saved.late)} reader(s) after the peak: "
-            f"{segment.ops} op(s) recomputed, {saving} bytes saved at the peak"
-        )
-        touched = {n.name for n in segment.nodes} | set(saved.late) | (set(graph.index) - set(result.index))
-        found.append(Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), saving))
-    return found
+    found = (rematerialized(graph, timeline, p) for p in remat_proposals(graph, timeline, heavy, max_ops))
+    return [rewrite for rewrite in found if rewrite is not None]
 
 
 def _key(graph: Graph, node: Node) -> str:

@@ -10,6 +10,9 @@
   step rises above it.
 - :func:`de_swap`: a Store and its Load go, their readers read the tensor itself again.
 
+As for re-materialization, :func:`swap` is :func:`swap_proposals` (no graph built)
+followed by :func:`swapped` (each proposal rewritten and checked).
+
 Swapping re-executes nothing, so any tensor qualifies, random ones included; a loaded
 tensor is not swapped again. The Store/Load operators and how they run are in
 :mod:`magis.backend.transfer`; with a cost model, the candidate's Load is placed as
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from magis.backend.transfer import Load, Store
 from magis.cost.latency import CostModel
@@ -39,28 +42,56 @@ from magis.rules.rewrite import (
 from magis.schedule.transfers import place_transfers
 
 
-def swap(graph: Graph, order: Sequence[str] | None = None, model: CostModel | None = None) -> list[Rewrite]:
-    """Swapping candidates around the memory hot-spots of ``order`` (MAGIS §5.2); with
-    ``model``, each Load is placed to hide its transfer, else right before its reader."""
-    timeline = Timeline.of(graph, order)
+@dataclass(frozen=True)
+class SwapProposal:
+    """A swap the estimate proposes, before any graph is built: the saved tensor, the node
+    holding its whole storage (what the Store copies) and the bytes it saves at the peak."""
+
+    saved: SavedTensor
+    holder: str
+    saving: int
+
+    @property
+    def target(self) -> str:
+        """The node whose value is swapped out."""
+        return self.holder
+
+
+def swap_proposals(graph: Graph, timeline: Timeline) -> list[SwapProposal]:
+    """Every saved tensor of ``timeline`` whose leaving device memory frees bytes at the
+    peak; cheap, nothing is rewritten or simulated (that is :func:`swapped`)."""
     found = []
     for saved in saved_tensors(graph, timeline):
         holder = _holder(graph, saved)
         saving = net_saving(timeline, saved.freed, {})
-        if holder is None or saving is None:
-            continue
-        result = _swapped(graph, saved, timeline, holder)
-        if model is not None:
-            result = reordered(result, place_transfers(result, [n.name for n in result.nodes], model))
-        if not timeline.not_raised_by(result):
-            continue
-        description = (
-            f"swap {holder} ({saved.nbytes} bytes) out after it is made, in before "
-            f"{timeline.order[saved.first_late]}: {saving} bytes saved at the peak"
-        )
-        touched = (set(result.index) ^ set(graph.index)) | set(saved.late)
-        found.append(Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), saving))
+        if holder is not None and saving is not None:
+            found.append(SwapProposal(saved, holder, saving))
     return found
+
+
+def swapped(graph: Graph, timeline: Timeline, proposal: SwapProposal, model: CostModel | None = None) -> Rewrite | None:
+    """``proposal`` applied (with ``model``, each Load placed to hide its transfer, else right
+    before its reader), or ``None`` where some step would rise above the peak."""
+    saved, holder = proposal.saved, proposal.holder
+    result = _swapped(graph, saved, timeline, holder)
+    if model is not None:
+        result = reordered(result, place_transfers(result, [n.name for n in result.nodes], model))
+    if not timeline.not_raised_by(result):
+        return None
+    description = (
+        f"swap {holder} ({saved.nbytes} bytes) out after it is made, in before "
+        f"{timeline.order[saved.first_late]}: {proposal.saving} bytes saved at the peak"
+    )
+    touched = (set(result.index) ^ set(graph.index)) | set(saved.late)
+    return Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), proposal.saving)
+
+
+def swap(graph: Graph, order: Sequence[str] | None = None, model: CostModel | None = None) -> list[Rewrite]:
+    """Swapping candidates around the memory hot-spots of ``order`` (MAGIS §5.2); with
+    ``model``, each Load is placed to hide its transfer, else right before its reader."""
+    timeline = Timeline.of(graph, order)
+    found = (swapped(graph, timeline, p, model) for p in swap_proposals(graph, timeline))
+    return [rewrite for rewrite in found if rewrite is not None]
 
 
 def _holder(graph: Graph, saved: SavedTensor) -> str | None:

@@ -1,0 +1,263 @@
+"""The peak/latency front that recomputation alone, or swapping alone, reaches by a greedy
+(MAGIS §5.2's scheduling-based rules; Echo §IV's footprint estimate).
+
+The M-Optimizer (:mod:`magis.search.m_optimizer`) combines every rule; this module asks
+what one kind of rule does on its own, the way the peers do (checkpointing,
+torch.compile's min-cut partitioner, offloading). Starting from the captured step in
+its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats one round:
+
+1. the schedule's memory timeline is simulated once, and the rule's proposals are
+   read off it without building a graph (:func:`magis.rules.remat.remat_proposals`,
+   :func:`magis.rules.swap.swap_proposals`), ranked by Echo's estimate per second of
+   added work: bytes saved at the peak over the seconds the recomputed copies take (a
+   swap's transfer is meant to hide behind compute: swaps rank by bytes alone);
+2. the best-ranked :data:`TOP` are rewritten and simulated in full (peak and latency),
+   the next :data:`TOP` only when none of them makes progress, and so on;
+3. the one that lowers the peak most per second it adds is taken; where the peak is a
+   plateau of several steps, one that lowers some of them (fewer steps at the peak, the
+   same height) is progress too, ranked after any drop;
+4. the new graph is rescheduled incrementally around what the rewrite touched (MAGIS
+   Alg. 2, as the M-Optimizer does), the rule's own placement kept where it is better.
+
+Every round's state is a point; the greedy stops when no proposal makes progress, or
+at the time budget, the round limit, or once a point is slower than a latency limit.
+The front is the points no other point beats on both peak and latency
+(:func:`pareto`): peaks strictly decreasing, latencies non-decreasing. Only the few
+candidates ranked best are ever simulated, which is what keeps a round at paper size
+(thousands of nodes, hundreds of proposals) to about a second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from tqdm import tqdm
+
+from magis.cost.latency import CostModel, estimate_latency, has_device_memory
+from magis.cost.memory import simulate_memory
+from magis.ir.graph import Graph
+from magis.rules.remat import MAX_OPS, recompute_seconds, remat_proposals, rematerialized
+from magis.rules.rewrite import Rewrite, Timeline
+from magis.rules.swap import swap_proposals, swapped
+from magis.schedule import incremental_schedule, schedule
+
+#: candidates rewritten and simulated at a time, best-ranked first
+TOP = 4
+#: seconds for one incremental schedule (as the M-Optimizer's)
+INCREMENTAL_S = 1.0
+#: seconds the greedy runs by default
+DEFAULT_TIME_BUDGET_S = 120.0
+#: a candidate that adds no latency divides its saving by this instead
+_NO_SECONDS = 1e-12
+
+
+@dataclass(frozen=True)
+class FrontPoint:
+    """A plan on the way: its graph and schedule, their simulated figures, and the owners
+    of the tensors recomputed and swapped so far (in the order the greedy chose them)."""
+
+    peak_bytes: int
+    latency_s: float
+    graph: Graph
+    order: tuple[str, ...]
+    peak_steps: int  # steps at the peak (a plateau narrowing is progress too)
+    recomputed: tuple[str, ...] = ()
+    swapped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RuleFront:
+    """The Pareto front the greedy reached (first point: the scheduled step), every point it
+    visited, and why it stopped (``"no progress"``, ``"time budget"``, ``"round limit"`` or
+    ``"latency limit"``)."""
+
+    points: tuple[FrontPoint, ...]
+    visited: tuple[FrontPoint, ...]
+    stopped_by: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A proposal of a rule before it is rewritten: its target, its rank, how to rewrite it."""
+
+    target: str
+    rank: float  # Echo's estimate: bytes saved per second added (higher first)
+    rewrite: Callable[[], Rewrite | None]
+
+
+Propose = Callable[[Graph, Timeline], list[_Candidate]]
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """When the greedy stops short of running out of progress."""
+
+    time_budget: float  # seconds
+    max_rounds: int | None  # ``None``: no limit
+    latency_s: float | None  # stop once a point is slower than this (``None``: no limit)
+
+
+def recompute_front(
+    graph: Graph,
+    model: CostModel,
+    order: Sequence[str] | None = None,
+    heavy: bool = True,
+    max_ops: int = MAX_OPS,
+    time_budget: float = DEFAULT_TIME_BUDGET_S,
+    max_rounds: int | None = None,
+    latency_limit_s: float | None = None,
+    progress: bool = False,
+) -> RuleFront:
+    """The front of recompute-only plans of ``graph`` (module docstring), from ``order``
+    (default: its memory-optimal order). ``heavy`` lets matrix products and convolutions
+    be recomputed too (the ranking still prefers cheap operators: they cost less per byte)."""
+
+    def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
+        return [
+            _Candidate(
+                p.target,
+                p.saving / max(recompute_seconds(current, p.segment, model), _NO_SECONDS),
+                lambda p=p: rematerialized(current, timeline, p),
+            )
+            for p in remat_proposals(current, timeline, heavy, max_ops)
+        ]
+
+    limits = _Limits(time_budget, max_rounds, latency_limit_s)
+    return _greedy(graph, model, order, propose, "recomputed", limits, progress)
+
+
+def swap_front(
+    graph: Graph,
+    model: CostModel,
+    order: Sequence[str] | None = None,
+    time_budget: float = DEFAULT_TIME_BUDGET_S,
+    max_rounds: int | None = None,
+    latency_limit_s: float | None = None,
+    progress: bool = False,
+) -> RuleFront:
+    """The front of swap-only plans of ``graph`` (module docstring), Loads placed to hide
+    their transfers. Raises ValueError where ``model`` prices a device without memory of
+    its own (:func:`require_device_memory`)."""
+    require_device_memory(model)
+
+    def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
+        return [
+            _Candidate(p.target, p.saving, lambda p=p: swapped(current, timeline, p, model))
+            for p in swap_proposals(current, timeline)
+        ]
+
+    limits = _Limits(time_budget, max_rounds, latency_limit_s)
+    return _greedy(graph, model, order, propose, "swapped", limits, progress)
+
+
+def require_device_memory(model: CostModel) -> None:
+    """Raise ValueError unless ``model`` prices a device with memory of its own (a GPU):
+    on a CPU, host memory is device memory and a swap frees nothing."""
+    if not has_device_memory(model):
+        raise ValueError(
+            "swapping frees no memory on a CPU, whose memory is host memory: plan for a GPU "
+            "(--device cuda on a machine with one, or a device profile such as h200)"
+        )
+
+
+def pareto(points: Sequence[FrontPoint]) -> tuple[FrontPoint, ...]:
+    """The points no other point beats on both peak and latency, by increasing latency
+    (so with strictly decreasing peaks); of equal points, the first."""
+    front: list[FrontPoint] = []
+    for point in sorted(points, key=lambda p: (p.latency_s, p.peak_bytes)):
+        if not front or point.peak_bytes < front[-1].peak_bytes:
+            front.append(point)
+    return tuple(front)
+
+
+def _greedy(
+    graph: Graph,
+    model: CostModel,
+    order: Sequence[str] | None,
+    propose: Propose,
+    kind: str,
+    limits: _Limits,
+    progress: bool,
+) -> RuleFront:
+    """Rounds of the module docstring until no progress or one of ``limits``."""
+    if not limits.time_budget > 0:
+        raise ValueError(f"the time budget must be a positive number of seconds, got {limits.time_budget!r}")
+    start = time.perf_counter()
+    deadline = start + limits.time_budget
+    order = tuple(schedule(graph).order if order is None else order)
+    current = _point(graph, order, model)
+    visited = [current]
+    stopped_by = "no progress"
+    with tqdm(desc=f"magis: {kind} greedy", unit="round", disable=not progress) as bar:
+        while True:
+            if limits.max_rounds is not None and len(visited) > limits.max_rounds:
+                stopped_by = "round limit"
+                break
+            if time.perf_counter() > deadline:
+                stopped_by = "time budget"
+                break
+            if limits.latency_s is not None and current.latency_s > limits.latency_s:
+                stopped_by = "latency limit"
+                break
+            step = _best_step(current, model, propose, deadline)
+            if step is None:
+                break
+            target, rewrite = step
+            current = _applied(current, rewrite, target, kind, model)
+            visited.append(current)
+            bar.update()
+            bar.set_postfix_str(f"peak {current.peak_bytes / 2**20:.1f} MiB, {current.latency_s * 1e3:.3f} ms")
+    return RuleFront(pareto(visited), tuple(visited), stopped_by, time.perf_counter() - start)
+
+
+def _best_step(current: FrontPoint, model: CostModel, propose: Propose, deadline: float) -> tuple[str, Rewrite] | None:
+    """The candidate that makes the most progress from ``current`` (steps 1-3 of the module
+    docstring), or ``None`` when none does."""
+    timeline = Timeline.of(current.graph, current.order)
+    ranked = sorted(propose(current.graph, timeline), key=lambda c: -c.rank)
+    for chunk in range(0, len(ranked), TOP):
+        best: tuple[tuple[int, float, int], str, Rewrite] | None = None
+        for candidate in ranked[chunk : chunk + TOP]:
+            rewrite = candidate.rewrite()
+            if rewrite is None:
+                continue
+            key = _progress(current, rewrite, model)
+            if key is not None and (best is None or key > best[0]):
+                best = (key, candidate.target, rewrite)
+        if best is not None:
+            return best[1], best[2]
+        if time.perf_counter() > deadline:
+            return None
+    return None
+
+
+def _progress(current: FrontPoint, rewrite: Rewrite, model: CostModel) -> tuple[int, float, int] | None:
+    """How much ``rewrite`` (in its own order) improves on ``current``, higher better:
+    a lower peak first, by bytes dropped per second added; then a narrower plateau.
+    ``None`` when the peak rises, or stays with as many steps at it."""
+    memory = simulate_memory(rewrite.graph, rewrite.order)
+    drop = current.peak_bytes - memory.peak
+    if drop < 0 or (drop == 0 and len(memory.peak_steps) >= current.peak_steps):
+        return None
+    added = estimate_latency(rewrite.graph, rewrite.order, model).total_s - current.latency_s
+    return (int(drop > 0), drop / max(added, _NO_SECONDS), -len(memory.peak_steps))
+
+
+def _applied(current: FrontPoint, rewrite: Rewrite, target: str, kind: str, model: CostModel) -> FrontPoint:
+    """The point ``rewrite`` leads to: its graph rescheduled incrementally around what it
+    touched (MAGIS Alg. 2), or in the rule's own order where that is better."""
+    rescheduled = incremental_schedule(current.graph, current.order, rewrite.graph, rewrite.touched, INCREMENTAL_S)
+    options = [_point(rewrite.graph, rewrite.order, model), _point(rewrite.graph, tuple(rescheduled), model)]
+    best = min(options, key=lambda p: (p.peak_bytes, p.latency_s))
+    history = {"recomputed": current.recomputed, "swapped": current.swapped}
+    history[kind] = (*history[kind], target)
+    return replace(best, **history)
+
+
+def _point(graph: Graph, order: Sequence[str], model: CostModel) -> FrontPoint:
+    memory = simulate_memory(graph, order)
+    latency = estimate_latency(graph, order, model).total_s
+    return FrontPoint(memory.peak, latency, graph, tuple(order), len(memory.peak_steps))

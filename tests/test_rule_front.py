@@ -1,0 +1,102 @@
+"""The greedy fronts of recompute-only and swap-only plans (:mod:`magis.search.rule_front`) and
+``magis remat``: monotone fronts of valid plans, each run by the magis runtime as eager runs
+(measured peak = simulated peak), and clear refusals (swapping on a CPU, running the paper preset)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from test_scheduling_rules import mlp_step
+
+from magis.cli import main
+from magis.cost.latency import cost_model, estimate_latency
+from magis.cost.memory import simulate_memory
+from magis.schedule import schedule
+from magis.search.rule_front import FrontPoint, recompute_front, swap_front
+
+H200 = cost_model("h200")
+
+
+def assert_monotone(points: tuple[FrontPoint, ...]) -> None:
+    """Peaks strictly decreasing, latencies non-decreasing, each point's figures its plan's own."""
+    assert all(a.peak_bytes > b.peak_bytes for a, b in itertools.pairwise(points))
+    assert all(a.latency_s <= b.latency_s for a, b in itertools.pairwise(points))
+    for point in points:
+        point.graph.check_schedule(point.order)
+        assert simulate_memory(point.graph, point.order).peak == point.peak_bytes
+        assert estimate_latency(point.graph, point.order, H200).total_s == pytest.approx(point.latency_s)
+
+
+def test_recompute_front_is_monotone_and_starts_at_the_scheduled_step():
+    graph = mlp_step().graph
+    front = recompute_front(graph, H200)
+    assert front.stopped_by == "no progress"
+    assert len(front.points) > 2
+    assert_monotone(front.points)
+    first = front.points[0]
+    assert first.peak_bytes == simulate_memory(graph, schedule(graph).order).peak and not first.recomputed
+    assert all(len(p.recomputed) > 0 and not p.swapped for p in front.points[1:])
+    # the greedy never raises the peak on its way; a cheap-only greedy stops no lower
+    assert all(a.peak_bytes >= b.peak_bytes for a, b in itertools.pairwise(front.visited))
+    cheap = recompute_front(graph, H200, heavy=False)
+    assert cheap.points[-1].peak_bytes >= front.points[-1].peak_bytes
+
+
+def test_recompute_front_stops_at_its_limits():
+    graph = mlp_step().graph
+    assert recompute_front(graph, H200, max_rounds=1).stopped_by == "round limit"
+    start = recompute_front(graph, H200, max_rounds=0).points[0].latency_s
+    limited = recompute_front(graph, H200, latency_limit_s=start * 1.0001)
+    assert limited.stopped_by in ("latency limit", "no progress")
+    assert sum(p.latency_s > start * 1.0001 for p in limited.visited) <= 1  # the point past the limit ends it
+
+
+def test_swap_front_swaps_and_refuses_a_cpu():
+    graph = mlp_step().graph
+    front = swap_front(graph, H200)
+    assert_monotone(front.points)
+    assert front.points[-1].swapped and not front.points[-1].recomputed
+    assert front.points[-1].peak_bytes < front.visited[0].peak_bytes  # hidden transfers: one point may beat all
+    with pytest.raises(ValueError, match="swapping frees no memory on a CPU"):
+        swap_front(graph, cost_model("cpu"))
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("rule", ["remat", "swap"])
+def test_remat_json_has_the_documented_keys_and_runs_like_eager(rule, capsys, tmp_path):
+    """Every plan of the front, run by the magis runtime (a swap's host copies apart), peaks
+    where the simulator says (within 2%) and computes eager's gradients; the front is drawn."""
+    plot = tmp_path / "front.png"
+    options = ["--plot", str(plot), *(["--swap"] if rule == "swap" else ["--latency-limit", "1.03"])]
+    report = run_json(capsys, "remat", "vit-base", "--preset", "tiny", "--device", "h200", "--run", "--json", *options)
+    for key in ("model", "preset", "device", "baseline_peak_bytes", "baseline_latency_s", "front"):
+        assert key in report, key
+    assert (report["model"], report["preset"], report["device"]) == ("vit-base", "tiny", "h200")
+    assert report["front"][-1]["peak_bytes"] < report["baseline_peak_bytes"]
+    for point in report["front"]:
+        for key in ("peak_bytes", "latency_s", "recomputed", "swapped", "measured_peak_bytes", "max_grad_error"):
+            assert key in point, key
+        assert abs(point["measured_peak_bytes"] - point["peak_bytes"]) <= 0.02 * point["peak_bytes"]
+        assert point["max_grad_error"] < 1e-4
+    assert report["plot"] == str(plot) and plot.stat().st_size > 0
+    changed = report["front"][-1]["swapped" if rule == "swap" else "recomputed"]
+    unchanged = report["front"][-1]["recomputed" if rule == "swap" else "swapped"]
+    assert changed and not unchanged
+
+
+@pytest.mark.parametrize(
+    ("argv", "cause"),
+    [
+        (["remat", "unet", "--device", "cpu", "--swap"], "swapping frees no memory on a CPU"),
+        (["remat", "unet", "--preset", "paper", "--run"], "--run needs real weights"),
+    ],
+)
+def test_remat_refuses_what_makes_no_sense(argv, cause, capsys):
+    assert main(argv) == 2
+    assert cause in capsys.readouterr().err
