@@ -5,8 +5,8 @@ For every workload of ``magis.models.WORKLOADS`` at each preset of ``--presets``
 profiled cost model of this machine (``magis.cost.latency.ProfiledCostModel``: on
 CPU each operator timed inside a run of its step on random inputs, plus the
 runtime's loop and the binding of the inputs), run the captured graph in
-the same order through the magis runtime and time it (median of ``--runs`` steps
-after warm-up), and report the relative error (simulated - measured) / measured. The
+the same order through the magis runtime and time it (median of at least ``--runs``
+steps and ``--min-seconds`` after warm-up), and report the relative error (simulated - measured) / measured. The
 step is timed in wall-clock and in process CPU time: on a machine shared with other
 work the wall time includes waiting for a core, which no per-operator profile can
 predict. As in every magis timing (``magis.bench.protocol``), the C allocator keeps
@@ -15,7 +15,8 @@ Writes JSON (one report per preset) and a PNG bar chart per preset next to it.
 
     python bench/sim_fidelity.py [--out results/sim_fidelity.json] [--presets tiny,small]
                                  [--models bert-base,unet] [--device cpu] [--threads 1]
-                                 [--runs 20] [--cache PATH]
+                                 [--runs 20] [--min-seconds 2]
+                                 [--cache PATH]
 
 The progress bar of the profiler goes to stderr; one line per workload to stdout.
 """
@@ -47,28 +48,32 @@ def to_device(built: Built, device: torch.device) -> Built:
 
 
 def measure_step(
-    built: Built, graph: Any, order: list[str], device: torch.device, runs: int, warmup: int = 3
+    built: Built, graph: Any, order: list[str], device: torch.device, runs: int, min_seconds: float, warmup: int = 3
 ) -> tuple[float, float]:
-    """Median wall seconds and median process CPU seconds of one training step run by the magis runtime.
+    """Median wall seconds and median process CPU seconds of a training step run by the
+    magis runtime: at least ``runs`` steps after warm-up, and at least ``min_seconds`` of
+    them, so that a few milliseconds of a busy neighbour move the median of a short step little.
 
     On a machine shared with other work, wall time includes the time this process
     waited for a core; CPU time does not (with one torch thread it is the step's own work).
     """
     program = lower(graph, order)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    wall, cpu = [], []
-    for i in range(warmup + runs):
+    for _ in range(warmup):
+        run_program(program, built.model, built.example_inputs, apply_buffer_updates=False)
+    wall: list[float] = []
+    cpu: list[float] = []
+    while len(wall) < runs or sum(wall) < min_seconds:
         sync()
         start, start_cpu = time.perf_counter(), time.process_time()
         run_program(program, built.model, built.example_inputs, apply_buffer_updates=False)
         sync()
-        if i >= warmup:
-            wall.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     return statistics.median(wall), statistics.median(cpu)
 
 
-def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int) -> dict[str, Any]:
+def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int, min_seconds: float) -> dict[str, Any]:
     """Simulated and measured step latency of one workload."""
     built = to_device(WORKLOADS[name].build(preset), model.device)
     graph = capture(built.model, built.example_inputs, built.loss_fn)
@@ -77,7 +82,7 @@ def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int
     start = time.perf_counter()
     simulated = estimate_latency(graph, order, model).total_s
     profile_s = time.perf_counter() - start
-    measured, measured_cpu = measure_step(built, graph, order, model.device, runs)
+    measured, measured_cpu = measure_step(built, graph, order, model.device, runs, min_seconds)
     return {
         "model": name,
         "nodes": len(graph),
@@ -92,13 +97,13 @@ def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int
 
 
 def measure_all(
-    names: list[str], preset: str, model: ProfiledCostModel, runs: int
+    names: list[str], preset: str, model: ProfiledCostModel, runs: int, min_seconds: float
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """One row per workload that could be captured, and the reason for each that could not."""
     rows, failures = [], {}
     for i, name in enumerate(names, start=1):
         try:
-            row = measure_workload(name, preset, model, runs)
+            row = measure_workload(name, preset, model, runs, min_seconds)
         except CaptureError as err:
             failures[name] = str(err)
             print(f"[{i}/{len(names)}] {name}: skipped, {err}", flush=True)
@@ -170,7 +175,8 @@ def main() -> None:
         help="torch CPU threads (default 1: on a shared machine, multi-threaded kernels stall whenever another "
         "process holds a core, which makes both measurements noise); 0 keeps torch's default",
     )
-    parser.add_argument("--runs", type=int, default=20, help="timed steps per workload")
+    parser.add_argument("--runs", type=int, default=20, help="timed steps per workload (at least)")
+    parser.add_argument("--min-seconds", type=float, default=2.0, help="timed seconds per workload (at least)")
     parser.add_argument(
         "--cache",
         type=Path,
@@ -193,7 +199,7 @@ def main() -> None:
         model = ProfiledCostModel(args.device, cache_path=args.cache or Path(scratch) / "latency.json")
         for preset in presets:
             print(f"preset {preset}", flush=True)
-            rows, failures = measure_all(names, preset, model, args.runs)
+            rows, failures = measure_all(names, preset, model, args.runs, args.min_seconds)
             if rows:
                 reports[preset] = preset_report(rows, failures)
         runtime_costs = asdict(model.runtime_costs)
@@ -206,6 +212,7 @@ def main() -> None:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "runs": args.runs,
+            "min_seconds": args.min_seconds,
             "cache": str(args.cache) if args.cache else "fresh",
             "freed_memory_kept": freed_memory_kept,
             "runtime_costs_s": runtime_costs,

@@ -273,7 +273,7 @@ class ProfiledCostModel:
     default under ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run
     measures nothing. On CPU the whole step runs in place and each instruction is
     timed where it stands (:func:`~magis.cost.profiler.measure_in_step`, the mean of
-    ``repeats`` runs after a warm-up; ``getitem`` s and views included), which is what
+    ``2 x repeats`` runs after a warm-up; ``getitem`` s and views included), which is what
     the runtime pays: isolated operators run 10-20% faster than inside a step. Each
     instruction also costs the runtime's loop around it, and each step binds its
     inputs (:attr:`runtime_costs`, measured once and kept in the same cache; the
@@ -297,6 +297,9 @@ class ProfiledCostModel:
             raise ValueError(f"CUDA is not available here: use a device profile ({', '.join(DEVICE_PROFILES)})")
         self.cache = LatencyCache(cache_path or default_cache_path(self.device))
         self.repeats = repeats
+        #: runs of a step timed in place: twice the samples of an operator timed alone, whose
+        #: fastest sample counts, since the mean of an instruction's samples is the figure here
+        self.in_step_runs = 2 * repeats
         self.progress = progress
         #: operators this instance timed (not counting the roofline benchmark).
         self.measurements = 0
@@ -383,14 +386,14 @@ class ProfiledCostModel:
             log.info("the step needs too much memory to run here: timing its operators alone")
             return
         bar = tqdm(
-            total=self.repeats + 1,
+            total=self.in_step_runs,
             desc=f"magis: timing the step's {len(graph)} nodes in place",
             unit="run",
             leave=False,
             disable=not self.progress or len(step_keys) < PROGRESS_MIN_OPS,
         )
         try:
-            times = measure_in_step(graph, strides, self.device, self.repeats, on_run=bar.update)
+            times = measure_in_step(graph, strides, self.device, self.in_step_runs, on_run=bar.update)
         except Exception as err:  # any step that cannot run here is priced by its operators timed alone
             log.info("could not run the step in place (%s): timing its operators alone", err)
             return

@@ -51,6 +51,12 @@ CUDA_SAMPLE_S = 1e-3
 #: inputs take at most this many bytes.
 WINDOW_OPS = 32
 WINDOW_BYTES = 512 * 2**20
+#: a step timed in place runs at least this long (and at least the runs asked for), so that
+#: a neighbour slowing the core for a few milliseconds spoils only some of its runs
+IN_STEP_MIN_SECONDS = 1.0
+#: a run of a step timed in place that takes more than this many times the median run was
+#: slowed down from outside: it is left out
+SLOW_RUN_FACTOR = 2.0
 #: an instruction timed in its step that takes more than this many times its median
 #: was interrupted (another process took the core): the sample is dropped.
 OUTLIER_FACTOR = 3.0
@@ -371,14 +377,17 @@ def measure_in_step(
 
     The runtime (:func:`magis.backend.runtime.execute`) runs the graph in its node
     order on random inputs of the recorded shapes and strides (:func:`random_tensor`),
-    once to warm up and ``runs`` times timed; each instruction's time covers mapping
-    its arguments, the call and freeing the values that died (:func:`_typical_seconds`
-    of its samples). Raises what the step
-    raises when it cannot run. The random number generators are left as they were.
-    ``on_run`` is called after each run (a progress bar).
+    once to warm up, then at least ``runs`` times and for at least
+    :data:`IN_STEP_MIN_SECONDS`; each instruction's time covers mapping its arguments,
+    the call and freeing the values that died. Runs slower than
+    :data:`SLOW_RUN_FACTOR` x the median run were slowed down from outside (on a
+    shared machine a neighbour can slow a core for tens of milliseconds) and are
+    left out; of the rest, each instruction gets :func:`_typical_seconds` of its
+    samples. Raises what the step raises when it cannot run. The random number
+    generators are left as they were. ``on_run`` is called after each run (a progress bar).
     """
     program = lower(graph)
-    samples: list[list[float]] = [[] for _ in program.instructions]
+    timed: list[list[float]] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         inputs = {
             node.name: None if meta is None else random_tensor(meta, strides[node.name][0], device)
@@ -386,15 +395,17 @@ def measure_in_step(
             if node.is_input
             for meta in node.outputs[:1]
         }
-        for run in range(runs + 1):
+        execute(program, dict(inputs))  # warm-up
+        started = time.perf_counter()
+        while len(timed) < runs or time.perf_counter() - started < IN_STEP_MIN_SECONDS:
             seconds: list[float] = []
             execute(program, dict(inputs), seconds)
-            if run:
-                for times, t in zip(samples, seconds):
-                    times.append(t)
+            timed.append(seconds)
             if on_run is not None:
                 on_run()
-    return {ins.node: _typical_seconds(times) for ins, times in zip(program.instructions, samples)}
+    typical_run = statistics.median(sum(run) for run in timed)
+    kept = [run for run in timed if sum(run) <= SLOW_RUN_FACTOR * typical_run]
+    return {ins.node: _typical_seconds([run[i] for run in kept]) for i, ins in enumerate(program.instructions)}
 
 
 def _typical_seconds(samples: Sequence[float]) -> float:
