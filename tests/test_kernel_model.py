@@ -1,7 +1,9 @@
 """The GPU kernel model: tile and wave quantization of GEMMs, the bandwidth ramp of small kernels.
 
 Reference: NVIDIA, Matrix Multiplication Background User's Guide (DU-09799-001,
-February 2023), chapter 3, "Dimension Quantization Effects".
+February 2023), chapter 3, Dimension Quantization Effects. The guide's points are
+paraphrased below, not quoted: its text could not be retrieved here to check wording
+(the figures, 108 SMs and 256x128 tiles on the A100, agree with other write-ups of it).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def test_tile_quantization_a_column_past_a_tile_costs_a_whole_tile() -> None:
     tiles. With M = 27648 =
     108 x 256, one column of 256x128 tiles is exactly one wave of the A100's 108 SMs:
     the time steps at N = 128, 256, 384 and is flat in between (N = 129 costs what
-    N = 256 does, twice N = 128). Left to choose (cuBLAS' heuristic: "in practice,
-    cuBLAS would select narrower tiles, for example 64-wide, to reduce the
-    quantization effect"), the model picks a 64-wide tile for N = 129.
+    N = 256 does, twice N = 128). Left to choose (as cuBLAS' heuristic would, picking
+    a narrower tile such as a 64-wide one to lessen the quantization), the model picks a
+    64-wide tile for N = 129.
     """
     one = wave_seconds(A100, 4096)
     times = {n: gemm_seconds(A100_256x128, Gemm(1, 27648, n, 4096), BF16) for n in (64, 128, 129, 200, 256, 257, 384)}
@@ -50,10 +52,9 @@ def test_tile_quantization_a_column_past_a_tile_costs_a_whole_tile() -> None:
 
 
 def test_wave_quantization_a_partial_wave_costs_a_whole_wave() -> None:
-    """§3.2: "an NVIDIA A100 GPU has 108 SMs; in the particular case of 256x128 thread
-    block tiles, it can execute one thread block per SM, leading to a wave size of 108
-    tiles that can execute simultaneously. Thus, GPU utilization will be highest when
-    the number of tiles is an integer multiple of 108 or just below." With M = 2304
+    """§3.2: the A100 has 108 SMs and runs one 256x128 thread-block tile per SM at a
+    time, so tiles run in waves of 108, and the GPU is used best when the number of
+    tiles is a multiple of 108 or just below one. With M = 2304
     (9 rows of tiles) and K = 4096, N = 1536 makes 9 x 12 = 108 tiles, one full wave;
     N = 1664 makes 117, and the 9 tiles of the second wave take as long as 108: the
     time doubles, then stays flat up to N = 3072 (216 tiles), and the achieved

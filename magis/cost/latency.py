@@ -272,12 +272,12 @@ class ProfiledCostModel:
     dtypes and strides; the times go to a JSON cache on disk (``cache_path``, by
     default under ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run
     measures nothing. On CPU the whole step runs in place and each instruction is
-    timed where it stands (:func:`~magis.cost.profiler.measure_in_step`, the mean of
-    ``2 x repeats`` runs after a warm-up; ``getitem`` s and views included), which is what
-    the runtime pays: isolated operators run 10-20% faster than inside a step. Each
-    instruction also costs the runtime's loop around it, and each step binds its
-    inputs (:attr:`runtime_costs`, measured once and kept in the same cache; the
-    binding is spread over the input nodes). An operator the step could not time is
+    timed where it stands (:func:`~magis.cost.profiler.measure_in_step`: at least
+    ``2 x repeats`` runs after a warm-up; ``getitem`` s, views and the runtime's loop
+    included), which is what the runtime pays: isolated operators run 10-20% faster
+    than inside a step. Each step also binds its inputs (:attr:`runtime_costs`,
+    measured once and kept in the same cache; the binding is spread over the input
+    nodes). An operator the step could not time is
     timed alone (fastest of ``repeats`` samples after a warm-up, in turns with its
     neighbours), plus the runtime's own work around the call. On CUDA the operators
     are timed alone; the host's work runs while earlier kernels execute, and is not
@@ -356,7 +356,7 @@ class ProfiledCostModel:
             if node.is_input:
                 seconds[node.name] = binding_seconds(graph, runtime) / inputs
             elif node.name in in_step and _delegated_seconds(node, self) is None:
-                seconds[node.name] = in_step[node.name] + runtime.instruction_s
+                seconds[node.name] = in_step[node.name]  # the loop around it included
             elif node.target is operator.getitem:
                 seconds[node.name] = runtime.getitem_s + runtime.instruction_s
             else:

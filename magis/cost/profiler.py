@@ -53,10 +53,7 @@ WINDOW_OPS = 32
 WINDOW_BYTES = 512 * 2**20
 #: a step timed in place runs at least this long (and at least the runs asked for), so that
 #: a neighbour slowing the core for a few milliseconds spoils only some of its runs
-IN_STEP_MIN_SECONDS = 1.0
-#: a run of a step timed in place that takes more than this many times the median run was
-#: slowed down from outside: it is left out
-SLOW_RUN_FACTOR = 2.0
+IN_STEP_MIN_SECONDS = 0.25
 #: an instruction timed in its step that takes more than this many times its median
 #: was interrupted (another process took the core): the sample is dropped.
 OUTLIER_FACTOR = 3.0
@@ -379,11 +376,11 @@ def measure_in_step(
     order on random inputs of the recorded shapes and strides (:func:`random_tensor`),
     once to warm up, then at least ``runs`` times and for at least
     :data:`IN_STEP_MIN_SECONDS`; each instruction's time covers mapping its arguments,
-    the call and freeing the values that died. Runs slower than
-    :data:`SLOW_RUN_FACTOR` x the median run were slowed down from outside (on a
-    shared machine a neighbour can slow a core for tens of milliseconds) and are
-    left out; of the rest, each instruction gets :func:`_typical_seconds` of its
-    samples. Raises what the step raises when it cannot run. The random number
+    the call and freeing the values that died. Only the middle half of the runs by
+    their total time count, as a median step time would: on a shared machine a
+    neighbour can slow the core down for tens of milliseconds, and the fastest runs
+    are the lucky ones. Each instruction gets :func:`_typical_seconds` of its samples
+    in those runs. Raises what the step raises when it cannot run. The random number
     generators are left as they were. ``on_run`` is called after each run (a progress bar).
     """
     program = lower(graph)
@@ -396,16 +393,24 @@ def measure_in_step(
             for meta in node.outputs[:1]
         }
         execute(program, dict(inputs))  # warm-up
+        plain: list[float] = []
         started = time.perf_counter()
         while len(timed) < runs or time.perf_counter() - started < IN_STEP_MIN_SECONDS:
             seconds: list[float] = []
             execute(program, dict(inputs), seconds)
             timed.append(seconds)
+            start = time.perf_counter()
+            execute(program, dict(inputs))
+            plain.append(time.perf_counter() - start)
             if on_run is not None:
                 on_run()
-    typical_run = statistics.median(sum(run) for run in timed)
-    kept = [run for run in timed if sum(run) <= SLOW_RUN_FACTOR * typical_run]
-    return {ins.node: _typical_seconds([run[i] for run in kept]) for i, ins in enumerate(program.instructions)}
+    by_total = sorted(timed, key=sum)
+    kept = by_total[len(by_total) // 4 : len(by_total) - len(by_total) // 4]  # the middle half
+    typical = [_typical_seconds([run[i] for run in kept]) for i in range(len(program.instructions))]
+    # What the loop spends between the timed instructions, less what timing them costs,
+    # shared among the instructions: the instructions then add up to a plain run.
+    between = (statistics.median(plain) - sum(typical)) / max(1, len(typical))
+    return {ins.node: max(0.0, t + between) for ins, t in zip(program.instructions, typical)}
 
 
 def _typical_seconds(samples: Sequence[float]) -> float:
