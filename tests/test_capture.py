@@ -231,17 +231,18 @@ def test_binding_finds_every_parameter_and_buffer_by_each_of_its_names():
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(5, 3)
-            self.head = nn.Linear(3, 5, bias=False)
-            self.head.weight = self.embed.weight
+            self.head = nn.Sequential(nn.Linear(3, 5, bias=False))
+            self.head[0].weight = self.embed.weight
             self.norm = nn.BatchNorm1d(3)
             self.register_buffer("scratch", torch.zeros(2), persistent=False)
             self.register_buffer("absent", None)
 
     model = Tied()
-    params, buffers = module_tensors(model)
-    expected_params = dict(model.named_parameters(remove_duplicate=False))
-    expected_buffers = dict(model.named_buffers(remove_duplicate=False))
-    assert list(params) == list(expected_params) and "head.weight" in params
-    assert all(params[name] is tensor for name, tensor in expected_params.items())
-    assert list(buffers) == list(expected_buffers) and "scratch" in buffers and "absent" not in buffers
-    assert all(buffers[name] is tensor for name, tensor in expected_buffers.items())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    assert "head.0.weight" in params and "scratch" in buffers
+    wanted = [(name, "_parameters") for name in params] + [(name, "_buffers") for name in buffers]
+    assert module_tensors(model, wanted) == [*params.values(), *buffers.values()]
+    missing = ["absent", "norm.weight.x", "tail.weight", "head.1.weight", "norm.running_mean"]
+    assert module_tensors(model, [(name, "_parameters") for name in missing]) == [None] * len(missing)
+    assert module_tensors(model, [("embed.weight", "_buffers"), ("absent", "_buffers")]) == [None, None]

@@ -25,13 +25,14 @@ from magis.cost.latency import (
     node_gemms,
 )
 from magis.cost.profiler import (
-    bound_modules,
     default_cache_path,
     in_step_key,
+    lookup_steps,
     measurable,
     op_key,
     random_tensor,
     replay_strides,
+    step_context,
 )
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
@@ -265,7 +266,7 @@ def test_the_runtime_costs_are_measured_cached_and_added(
     conv_linear: Graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """simulated total = the instructions timed in their step (the runtime's loop included)
-    + the binding of the inputs (module_s per module path, input_s per input)."""
+    + the binding of the inputs (lookup_s per submodule on a name's path, input_s per input)."""
     path = tmp_path / "latency.json"
     order = order_of(conv_linear)
     model = ProfiledCostModel(cache_path=path, repeats=2)
@@ -273,23 +274,24 @@ def test_the_runtime_costs_are_measured_cached_and_added(
     cached = json.loads(path.read_text())["runtime_costs"]
     assert 0 <= cached["instruction_s"] < 1e-4  # beyond mapping and calling, the runtime does little
     assert 0 < cached["getitem_s"] < 1e-4
-    assert 0 < cached["module_s"] + cached["input_s"] < 1e-4
+    assert 0 < cached["lookup_s"] + cached["input_s"] < 1e-4
     assert asdict(model.runtime_costs) == cached
     strides = replay_strides(conv_linear)
     keys = {n.name: op_key(conv_linear, n.name, strides) for n in conv_linear.nodes if measurable(n)}
     in_step = model.cache.in_step
     instructions = [n.name for n in conv_linear.nodes if not n.is_input]
     assert any(conv_linear[n].op_name == "getitem" for n in instructions)
-    assert all(in_step_key(conv_linear, n, keys) in in_step for n in instructions)
-    timed = sum(in_step[in_step_key(conv_linear, n, keys)] for n in instructions)
+    context = step_context(conv_linear.signature)
+    assert all(in_step_key(conv_linear, n, keys, context) in in_step for n in instructions)
+    timed = sum(in_step[in_step_key(conv_linear, n, keys, context)] for n in instructions)
     inputs = sum(1 for n in conv_linear.nodes if n.is_input)
-    modules = bound_modules(conv_linear.signature)
-    assert modules == 3  # the root, the convolution and the linear layer hold the parameters
-    binding = modules * cached["module_s"] + inputs * cached["input_s"]
+    steps = lookup_steps(conv_linear.signature)
+    assert steps == 2  # the convolution (0) and the linear layer (3) hold the parameters
+    binding = steps * cached["lookup_s"] + inputs * cached["input_s"]
     assert total == pytest.approx(timed + binding)
 
     data = json.loads(path.read_text())
-    data["runtime_costs"] = {"instruction_s": 1e-3, "getitem_s": 1e-2, "module_s": 1e-4, "input_s": 1e-5}
+    data["runtime_costs"] = {"instruction_s": 1e-3, "getitem_s": 1e-2, "lookup_s": 1e-4, "input_s": 1e-5}
     path.write_text(json.dumps(data))
 
     def never(*args: object) -> float:
@@ -297,7 +299,7 @@ def test_the_runtime_costs_are_measured_cached_and_added(
 
     monkeypatch.setattr("magis.cost.latency.measure_runtime_costs", never)
     again = ProfiledCostModel(cache_path=path, repeats=2)
-    expected = timed + modules * 1e-4 + inputs * 1e-5
+    expected = timed + steps * 1e-4 + inputs * 1e-5
     assert estimate_latency(conv_linear, order, again).total_s == pytest.approx(expected)
     assert again.measurements == 0
 

@@ -93,35 +93,42 @@ def lower(graph: Graph, order: Sequence[str] | None = None) -> Program:
     return Program(graph, order, tuple(instructions))
 
 
-def module_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The module's parameters and buffers by qualified name (tied ones under every
-    name), found in one walk over its submodules: binding runs at every step."""
-    params: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for name, tensor in module._parameters.items():
-            if tensor is not None:
-                params[dot + name] = tensor
-        for name, tensor in module._buffers.items():
-            if tensor is not None:
-                buffers[dot + name] = tensor
-    return params, buffers
+def module_tensors(model: torch.nn.Module, names: Sequence[tuple[str, str]]) -> list[torch.Tensor | None]:
+    """For each ``(qualified_name, kind)`` of ``names``, the parameter
+    (``kind="_parameters"``) or buffer (``"_buffers"``) that the name spells in
+    ``model`` (any of a tied tensor's names, as ``named_parameters`` spells them), or None.
+
+    Each submodule on the names' paths is looked up once, from its parent, instead of
+    walking every submodule: binding runs at every step, and a step binds far fewer
+    tensors than a large model has modules."""
+    modules: dict[str, torch.nn.Module | None] = {"": model}
+
+    def submodule(path: str) -> torch.nn.Module | None:
+        if path not in modules:
+            parent_path, _, part = path.rpartition(".")
+            parent = submodule(parent_path)
+            modules[path] = None if parent is None else parent._modules.get(part)
+        return modules[path]
+
+    found: list[torch.Tensor | None] = []
+    for name, kind in names:
+        path, _, leaf = name.rpartition(".")
+        holder = submodule(path)
+        found.append(None if holder is None else getattr(holder, kind).get(leaf))
+    return found
 
 
 def bind(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) -> dict[str, Any]:
     """The graph's input nodes bound to the module's tensors and the user inputs."""
-    params, buffers = module_tensors(model)
     sig = graph.signature
+    wanted = [(node, name, "_parameters") for node, name in sig.parameters.items()]
+    wanted += [(node, name, "_buffers") for node, name in sig.buffers.items()]
     env: dict[str, Any] = {}
-    for node, pname in sig.parameters.items():
-        if pname not in params:
-            raise RuntimeBindError(f"the module has no parameter {pname!r} that the graph was captured with")
-        env[node] = params[pname].detach()
-    for node, bname in sig.buffers.items():
-        if bname not in buffers:
-            raise RuntimeBindError(f"the module has no buffer {bname!r} that the graph was captured with")
-        env[node] = buffers[bname].detach()
+    for (node, name, kind), tensor in zip(wanted, module_tensors(model, [(name, kind) for _, name, kind in wanted])):
+        if tensor is None:
+            what = "parameter" if kind == "_parameters" else "buffer"
+            raise RuntimeBindError(f"the module has no {what} {name!r} that the graph was captured with")
+        env[node] = tensor.detach()
     flat = [x for x in example_inputs]
     if len(flat) != len(sig.user_inputs):
         raise RuntimeBindError(f"the graph takes {len(sig.user_inputs)} inputs, got {len(flat)}")

@@ -54,6 +54,7 @@ from magis.cost.profiler import (
     measure_runtime_costs,
     op_key,
     replay_strides,
+    step_context,
 )
 from magis.ir.graph import Graph, Node, is_view
 
@@ -342,8 +343,9 @@ class ProfiledCostModel:
         keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
         step_keys: dict[str, str] = {}
         if self.device.type == "cpu":
+            context = step_context(graph.signature)
             for node in graph.nodes:
-                key = None if node.is_input else in_step_key(graph, node.name, keys)
+                key = None if node.is_input else in_step_key(graph, node.name, keys, context)
                 if key is not None:
                     step_keys[node.name] = key
             self._measure_in_step(graph, step_keys, strides)

@@ -43,7 +43,7 @@ from magis.backend.runtime import bind, execute, lower
 from magis.cost.device_profiles import PRECISION_OF_DTYPE, DeviceProfile
 from magis.ir.graph import Graph, Node, Ref, Role, Signature, TensorMeta, is_view, map_refs
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
 #: on CUDA, each timing sample is a burst of calls lasting about this long.
 CUDA_SAMPLE_S = 1e-3
@@ -221,13 +221,27 @@ def op_key(graph: Graph, name: str, strides: Mapping[str, NodeStrides]) -> str:
     return f"{node.op_name}{args!r}{sorted(kwargs.items())!r}->{outputs!r}"
 
 
-def in_step_key(graph: Graph, name: str, keys: Mapping[str, str]) -> str | None:
+def step_context(signature: Signature) -> str:
+    """Which model a step trains, as a short digest of its parameters' and buffers' names.
+
+    An operator's time inside a step depends on the step around it (what its
+    neighbours left in the caches): the same convolution timed inside U-Net++ and
+    inside U-Net differs by 5-10% on a CPU. Every graph of one model (its captured
+    step, fission variants, rewrites) shares the context; other models have their own.
+    """
+    names = "\n".join(sorted((*signature.parameters.values(), *signature.buffers.values())))
+    return hashlib.sha1(names.encode()).hexdigest()[:12]
+
+
+def in_step_key(graph: Graph, name: str, keys: Mapping[str, str], context: str) -> str | None:
     """The key of a node's time in its step: its op key (``keys``), or for a ``getitem``
-    the element it picks of an operator with an op key; ``None`` for anything else."""
+    the element it picks of an operator with an op key, inside the model ``context``
+    (:func:`step_context`); ``None`` for anything else."""
     node = graph[name]
     if node.target is operator.getitem and node.inputs and node.inputs[0] in keys:
-        return f"getitem{list(node.args[1:])!r} of {keys[node.inputs[0]]}"
-    return keys.get(name)
+        return f"{context}: getitem{list(node.args[1:])!r} of {keys[node.inputs[0]]}"
+    key = keys.get(name)
+    return None if key is None else f"{context}: {key}"
 
 
 # ----------------------------------------------------------------- how to run
@@ -433,19 +447,20 @@ class RuntimeCosts:
     result, freeing the values that died), ``getitem_s`` per ``getitem`` instruction
     (mapping its argument and picking the element, which no profile times),
     and what binding the step's inputs costs (:func:`magis.backend.runtime.bind`):
-    ``module_s`` per submodule walked to find the parameters and buffers, ``input_s``
-    per input bound (:func:`binding_seconds`)."""
+    ``lookup_s`` per submodule on the way to a parameter or buffer, ``input_s`` per
+    input bound (:func:`binding_seconds`)."""
 
     instruction_s: float
     getitem_s: float
-    module_s: float
+    lookup_s: float
     input_s: float
 
 
-def bound_modules(signature: Signature) -> int:
-    """How many submodules binding walks, as far as the graph can tell: the root and
-    every module path that leads to one of its parameters or buffers."""
-    paths = {""}
+def lookup_steps(signature: Signature) -> int:
+    """How many submodules binding looks up to find the step's parameters and buffers
+    (:func:`magis.backend.runtime.module_tensors`): every module path that leads to
+    one of them, the root (which needs no lookup) left out."""
+    paths: set[str] = set()
     for name in (*signature.parameters.values(), *signature.buffers.values()):
         parts = name.split(".")[:-1]
         paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
@@ -455,7 +470,7 @@ def bound_modules(signature: Signature) -> int:
 def binding_seconds(graph: Graph, costs: RuntimeCosts) -> float:
     """Seconds a step spends binding ``graph``'s inputs to the module's tensors and the user's inputs."""
     inputs = sum(1 for node in graph.nodes if node.is_input)
-    return costs.module_s * bound_modules(graph.signature) + costs.input_s * inputs
+    return costs.lookup_s * lookup_steps(graph.signature) + costs.input_s * inputs
 
 
 def _block_seconds(fn: Callable[[], Any], device: torch.device, rounds: int) -> float:
@@ -479,9 +494,9 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
     result freed by the next, runs through the runtime; the same calls, arguments
     mapped as the profiler maps them, run in a plain loop; the difference per
     instruction (never below zero) is ``instruction_s``. A plain loop of ``getitem``
-    calls with mapped arguments gives ``getitem_s``. Binding as many parameters held
-    one per submodule, then two per submodule, gives ``module_s`` and ``input_s``
-    (two equations, two unknowns). Each is the fastest of ``rounds`` runs: a busy
+    calls with mapped arguments gives ``getitem_s``. Binding ``n`` parameters one
+    submodule deep, then two deep, gives ``lookup_s`` and ``input_s`` (two equations,
+    two unknowns). Each is the fastest of ``rounds`` runs: a busy
     moment only slows some runs down.
     """
     n = OVERHEAD_PROGRAM_OPS
@@ -506,29 +521,30 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
         for _ in range(n):
             operator.getitem(*map_refs(getitem_args, value))
 
-    def binding(biased: bool) -> Callable[[], Any]:
-        """Binding ``n`` parameters held by ``n`` (without bias) or ``n / 2`` linear layers."""
+    def binding(depth: int) -> Callable[[], Any]:
+        """Binding ``n`` parameters, each held ``depth`` submodules deep."""
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # initialising draws
-            layers = torch.nn.Sequential(
-                *(torch.nn.Linear(1, 1, bias=biased, device=device) for _ in range(n // 2 if biased else n))
-            )
-        names = [name for name, _ in layers.named_parameters()]
+            layers: list[torch.nn.Module] = [torch.nn.Linear(1, 1, bias=False, device=device) for _ in range(n)]
+        for _ in range(depth - 1):
+            layers = [torch.nn.Sequential(layer) for layer in layers]
+        holder = torch.nn.Sequential(*layers)
+        names = [name for name, _ in holder.named_parameters()]
         weights = tuple(Node(f"p{i}", None, outputs=(one,), aliases=(None,), role=Role.INPUT) for i in range(n))
         graph = Graph(weights, outputs=(), signature=Signature(parameters={w.name: p for w, p in zip(weights, names)}))
-        return lambda: bind(graph, layers, ())
+        return lambda: bind(graph, holder, ())
 
     with torch.no_grad():
         runtime_s = _block_seconds(lambda: execute(program, {"x": env["x"]}), device, rounds)
         calls_s = _block_seconds(calls, device, rounds)
         getitem_s = _block_seconds(getitems, device, rounds)
-        one_per_module_s = _block_seconds(binding(biased=False), device, rounds)
-        two_per_module_s = _block_seconds(binding(biased=True), device, rounds)
-    module_s = max(0.0, (one_per_module_s - two_per_module_s) / (n - n // 2))
+        one_deep_s = _block_seconds(binding(depth=1), device, rounds)
+        two_deep_s = _block_seconds(binding(depth=2), device, rounds)
+    lookup_s = max(0.0, (two_deep_s - one_deep_s) / n)
     return RuntimeCosts(
         instruction_s=max(0.0, (runtime_s - calls_s) / n),
         getitem_s=getitem_s / n,
-        module_s=module_s,
-        input_s=max(0.0, (two_per_module_s - module_s * (n // 2 + 1)) / n),
+        lookup_s=lookup_s,
+        input_s=max(0.0, one_deep_s / n - lookup_s),
     )
 
 
