@@ -76,6 +76,25 @@ def test_runtime_matches_eager_and_simulator(fixture, request):
     assert abs(report["measured_peak_bytes"] - simulated) <= 0.02 * simulated
 
 
+def test_silu_gradient_is_the_one_kernel_an_eager_backward_runs():
+    """The joint trace writes SiLU's gradient in autograd's twice-differentiable form
+    (sigmoid, empty_like, fill, sub, three muls, an add); a plain backward runs one
+    ``silu_backward``, and so does the captured step (SwiGLU's MLP in BTLM, LLaMA)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.SiLU(), nn.Linear(16, 3), nn.SiLU()).double()
+    inputs = (torch.randn(5, 6, dtype=torch.float64),)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    graph = magis.capture(model, inputs, loss_fn)
+    ops = [n.op_name for n in graph.nodes]
+    assert ops.count("aten.silu_backward.default") == 2
+    assert "aten.sigmoid.default" not in ops and "aten.fill.Scalar" not in ops
+    order = [n.name for n in graph.nodes]
+    report = measure_against_eager(graph, order, model, inputs, loss_fn, seed=0)
+    assert report["max_grad_error"] < 1e-12
+    measured = report["measured_peak_bytes"]
+    assert abs(measured - simulate_memory(graph, order).peak) <= 0.02 * measured
+
+
 def test_runtime_reverse_valid_order_still_exact(mlp):
     """Any valid order gives the same gradients and the simulator follows it."""
     model, inputs, loss_fn = mlp

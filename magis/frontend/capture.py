@@ -189,6 +189,7 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
         raise
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
+    fuse_silu_backward(gm)
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start)
@@ -356,6 +357,37 @@ def explain_capture_failure(err: Exception) -> str:
     if "DynamicOutputShape" in kind or "dynamic output shape" in text.lower():
         return f"an op has a data-dependent output shape (e.g. nonzero, masked_select, unique): {first}"
     return f"could not capture the training step: {first}"
+
+
+def _silu_backward_decomposed(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """SiLU's gradient as the joint trace writes it (autograd's twice-differentiable form)."""
+    aten = torch.ops.aten
+    sigmoid = aten.sigmoid.default(x)
+    ones = aten.fill.Scalar(aten.empty_like.default(sigmoid, memory_format=torch.preserve_format), 1)
+    factor = aten.add.Scalar(aten.mul.Tensor(x, aten.sub.Tensor(ones, sigmoid)), 1)
+    return aten.mul.Tensor(grad, aten.mul.Tensor(sigmoid, factor))
+
+
+def _silu_backward_fused(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward.default(grad, x)
+
+
+def fuse_silu_backward(gm: torch.fx.GraphModule) -> int:
+    """Put back the one ``silu_backward`` kernel an eager backward runs; returns how many.
+
+    Autograd's formula for SiLU (and so SwiGLU's gradient) takes a twice-differentiable
+    form of six kernels when grad mode is on, as it is in AOTAutograd's joint trace; a
+    plain ``loss.backward()`` runs with grad mode off and calls the fused kernel. The
+    captured step must be the step eager PyTorch runs, in time and in memory (the
+    decomposed form holds three temporaries of the activation's size). Call before
+    :func:`propagate_fake_values`, which gives the new nodes their values.
+    """
+    from torch.fx.subgraph_rewriter import replace_pattern
+
+    for node in list(gm.graph.nodes):  # the trace's unused detaches would hold the sigmoid in place
+        if node.target is torch.ops.aten.detach.default and not node.users:
+            gm.graph.erase_node(node)
+    return len(replace_pattern(gm, _silu_backward_decomposed, _silu_backward_fused))
 
 
 def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
