@@ -182,6 +182,24 @@ def test_dtr_keeps_its_budget_or_says_it_cannot(graph):
         assert simulate_memory(plan_graph, order).peak <= budget
 
 
+def test_dtr_gives_up_when_it_thrashes():
+    """A plan that runs more than ``max_runs`` x the step's operators is refused, with the count."""
+    for graph in GRAPHS:
+        problem = remat_problem(graph, _cost)
+        for percent in range(90, 20, -10):
+            try:
+                plan = dtr_plan(problem, problem.no_remat_peak * percent // 100)
+            except DoesNotFit:
+                break
+            if plan.recomputations:
+                budget, runs = problem.no_remat_peak * percent // 100, len(plan.sequence) / len(problem)
+                assert dtr_plan(problem, budget, max_runs=runs).sequence == plan.sequence
+                with pytest.raises(DoesNotFit, match=r"DTR thrashes within \d+ bytes: \d+ operations run"):
+                    dtr_plan(problem, budget, max_runs=runs - 1 / len(problem))  # one operation short
+                return
+    pytest.fail("DTR recomputed nothing on any test graph")
+
+
 def test_random_ops_are_never_recomputed():
     logging.getLogger("transformers").setLevel(logging.ERROR)
     built = build_workload("bert-base", "tiny", None)  # dropout p=0.1 in every layer
