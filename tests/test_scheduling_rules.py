@@ -6,6 +6,7 @@ overlapped with compute in the latency model and on CUDA streams."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from magis.frontend.capture import capture
 from magis.ir.graph import Graph
 from magis.models import WORKLOADS, Built
 from magis.rules.compact import compact
-from magis.rules.remat import RematError, de_remat, recompute, remat, why_not_recomputable
+from magis.rules.remat import RematError, de_remat, recompute, remat, shared_copies, why_not_recomputable
 from magis.rules.rewrite import Rewrite, Timeline, saved_tensors
 from magis.rules.swap import de_swap, swap
 from magis.schedule import schedule
@@ -167,6 +168,39 @@ def test_de_remat_merges_a_copy_back():
         merged = de_remat(candidate.graph, candidate.order)
         assert any(m.graph.structural_hash() == step.graph.structural_hash() for m in merged), candidate.description
     assert not de_remat(step.graph)
+
+
+class TanhGeluMLP(nn.Module):
+    """GPT-Neo's MLP activation (``gelu_new``): eight pointwise operators on each linear's
+    output, several of them saved for the backward."""
+
+    def __init__(self, blocks: int = 2, width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(x)
+            x = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        return x.square().mean()
+
+
+def test_copies_of_one_chain_recomputed_twice_are_shared():
+    """Three recomputations of tanh-GELU's intermediates copy the chain's head more than once;
+    shared_copies merges a copy into the earlier one like it: fewer nodes, eager's gradients,
+    measured peak = simulated. Nothing is shared before any recomputation, nor into an original."""
+    torch.manual_seed(0)
+    step = step_of(Built(TanhGeluMLP().double(), (torch.randn(64, 16, dtype=torch.float64),)))
+    originals = frozenset(step.graph.index)
+    assert not shared_copies(step.graph, [n.name for n in step.graph.nodes], originals)
+    graph, _ = greedy(step.graph, 3)
+    order = [n.name for n in graph.nodes]
+    shared = shared_copies(graph, order, originals)
+    assert shared
+    for rewrite in shared:
+        removed = set(graph.index) - set(rewrite.graph.index)
+        assert removed and not removed & originals, rewrite.description
+        assert_runs_like_eager(step, rewrite.graph, rewrite.order)
 
 
 def test_refusals_name_their_reason():

@@ -386,9 +386,41 @@ def de_remat(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
     return found
 
 
-def _merge(graph: Graph, keep: str, drop: str, pos: dict[str, int]) -> tuple[Graph, set[str]]:
+def shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str]) -> list[Rewrite]:
+    """Recomputed copies that compute what an earlier copy computes, each merged into it.
+
+    Two recomputations often copy the same chain: saving two intermediates of one
+    activation (tanh-GELU's eight operators) recomputes the chain's head twice, where
+    torch.compile's min-cut recomputes it once. :func:`de_remat` leaves these alone,
+    since each copy also computes what its original did, and merging into the original
+    undoes the recomputation. Here only nodes outside ``originals`` (the step before any
+    recomputation) are compared, and a copy is merged into the earliest copy like it,
+    then their readers that coincide, as :func:`de_remat` does.
+    """
+    order = tuple(order)
+    pos = {name: i for i, name in enumerate(order)}
+    first: dict[str, str] = {}
+    found = []
+    for name in order:
+        node = graph[name]
+        if name in originals or node.is_input or node.random or node.on_host:
+            continue
+        keep = first.setdefault(_key(graph, node), name)
+        if keep == name or node.fresh_bytes == 0:
+            continue
+        merged, removed = _merge(graph, keep, name, pos, originals)
+        new_order = tuple(n for n in order if n not in removed)
+        description = f"share {keep} with {name} ({node.op_name}): {len(removed)} copied node(s) merged"
+        found.append(Rewrite(reordered(merged, new_order), description, new_order, frozenset(removed | {keep})))
+    return found
+
+
+def _merge(
+    graph: Graph, keep: str, drop: str, pos: dict[str, int], protected: frozenset[str] = frozenset()
+) -> tuple[Graph, set[str]]:
     """Merge ``drop`` into ``keep``, then every reader of ``keep`` that now computes what an
-    earlier node computes into that node, and so on."""
+    earlier node computes into that node, and so on; a node of ``protected`` is never merged
+    into another."""
     removed: set[str] = set()
     todo = [(keep, drop)]
     while todo:
@@ -403,6 +435,6 @@ def _merge(graph: Graph, keep: str, drop: str, pos: dict[str, int]) -> tuple[Gra
             if node.is_input or node.random:
                 continue
             other = earliest.setdefault(_key(graph, node), node.name)
-            if other != node.name and node.name in readers:
+            if other != node.name and node.name in readers and node.name not in protected:
                 todo.append((other, node.name))
     return graph, removed

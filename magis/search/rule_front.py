@@ -17,7 +17,11 @@ its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats o
    plateau of several steps, one that lowers some of them (fewer steps at the peak, the
    same height) is progress too, ranked after any drop;
 4. the new graph is rescheduled incrementally around what the rewrite touched (MAGIS
-   Alg. 2, as the M-Optimizer does), the rule's own placement kept where it is better.
+   Alg. 2, as the M-Optimizer does), the rule's own placement kept where it is better;
+5. recomputed copies that compute what an earlier copy computes (two saved intermediates
+   of one activation recompute its chain's head twice) are merged into it
+   (:func:`magis.rules.remat.shared_copies`), one merge at a time, the one that saves the
+   most time first, while one saves time and raises no step above the peak.
 
 Every round's state is a point; the greedy stops when no proposal makes progress, or
 at the time budget, the round limit, or once a point is slower than a latency limit.
@@ -38,7 +42,7 @@ from tqdm import tqdm
 from magis.cost.latency import CostModel, estimate_latency, has_device_memory
 from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
-from magis.rules.remat import MAX_OPS, recompute_seconds, remat_proposals, rematerialized
+from magis.rules.remat import MAX_OPS, recompute_seconds, remat_proposals, rematerialized, shared_copies
 from magis.rules.rewrite import Rewrite, Timeline
 from magis.rules.swap import swap_proposals, swapped
 from magis.schedule import incremental_schedule, schedule
@@ -189,6 +193,7 @@ def _greedy(
     deadline = start + limits.time_budget
     order = tuple(schedule(graph).order if order is None else order)
     current = _point(graph, order, model)
+    originals = frozenset(graph.index)
     visited = [current]
     stopped_by = "no progress"
     with tqdm(desc=f"magis: {kind} greedy", unit="round", disable=not progress) as bar:
@@ -206,7 +211,7 @@ def _greedy(
             if step is None:
                 break
             target, rewrite = step
-            current = _applied(current, rewrite, target, kind, model)
+            current = _with_shared_copies(_applied(current, rewrite, target, kind, model), originals, model)
             visited.append(current)
             bar.update()
             bar.set_postfix_str(f"peak {current.peak_bytes / 2**20:.1f} MiB, {current.latency_s * 1e3:.3f} ms")
@@ -255,6 +260,16 @@ def _applied(current: FrontPoint, rewrite: Rewrite, target: str, kind: str, mode
     history = {"recomputed": current.recomputed, "swapped": current.swapped}
     history[kind] = (*history[kind], target)
     return replace(best, **history)
+
+
+def _with_shared_copies(point: FrontPoint, originals: frozenset[str], model: CostModel) -> FrontPoint:
+    """``point`` with its duplicate recomputed copies merged (step 5 of the module docstring)."""
+    while True:
+        merged = (_point(r.graph, r.order, model) for r in shared_copies(point.graph, point.order, originals))
+        better = [p for p in merged if p.peak_bytes <= point.peak_bytes and p.latency_s < point.latency_s]
+        if not better:
+            return point
+        point = replace(min(better, key=lambda p: p.latency_s), recomputed=point.recomputed, swapped=point.swapped)
 
 
 def _point(graph: Graph, order: Sequence[str], model: CostModel) -> FrontPoint:
