@@ -376,8 +376,9 @@ def fuse_silu_backward(gm: torch.fx.GraphModule) -> int:
     """Put back the one ``silu_backward`` kernel an eager backward runs; returns how many.
 
     Autograd's formula for SiLU (and so SwiGLU's gradient) takes a twice-differentiable
-    form of six kernels when grad mode is on, as it is in AOTAutograd's joint trace; a
-    plain ``loss.backward()`` runs with grad mode off and calls the fused kernel. The
+    form of seven kernels (sigmoid, fill, sub, add, three muls) when grad mode is on, as
+    it is in AOTAutograd's joint trace; a plain ``loss.backward()`` runs with grad mode
+    off and calls the fused kernel. The
     captured step must be the step eager PyTorch runs, in time and in memory (the
     decomposed form holds three temporaries of the activation's size). Call before
     :func:`propagate_fake_values`, which gives the new nodes their values.

@@ -369,21 +369,7 @@ def de_remat(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
     computes what an earlier node computes (same operator, same inputs; never a random op)
     is merged into it, and then every pair of readers that has become the same, and so on."""
     order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
-    pos = {name: i for i, name in enumerate(order)}
-    first: dict[str, str] = {}
-    found = []
-    for name in order:
-        node = graph[name]
-        if node.is_input or node.random or node.on_host:
-            continue
-        keep = first.setdefault(_key(graph, node), name)
-        if keep == name or node.fresh_bytes == 0:
-            continue
-        merged, removed = _merge(graph, keep, name, pos)
-        new_order = tuple(n for n in order if n not in removed)
-        description = f"de-remat {name} into {keep} ({node.op_name}): {len(removed)} node(s) merged"
-        found.append(Rewrite(reordered(merged, new_order), description, new_order, frozenset(removed | {keep})))
-    return found
+    return _duplicates_merged(graph, order, frozenset(), "de-remat {drop} into {keep}")
 
 
 def shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str]) -> list[Rewrite]:
@@ -397,20 +383,26 @@ def shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str])
     recomputation) are compared, and a copy is merged into the earliest copy like it,
     then their readers that coincide, as :func:`de_remat` does.
     """
-    order = tuple(order)
+    return _duplicates_merged(graph, tuple(order), originals, "share {keep} with {drop}")
+
+
+def _duplicates_merged(graph: Graph, order: tuple[str, ...], left: frozenset[str], says: str) -> list[Rewrite]:
+    """Each node outside ``left`` that allocates memory and computes what an earlier such
+    node computes, merged into it (:func:`_merge`), one rewrite per node; ``says`` spells
+    the description's head from ``keep`` and ``drop``."""
     pos = {name: i for i, name in enumerate(order)}
     first: dict[str, str] = {}
     found = []
     for name in order:
         node = graph[name]
-        if name in originals or node.is_input or node.random or node.on_host:
+        if name in left or node.is_input or node.random or node.on_host:
             continue
         keep = first.setdefault(_key(graph, node), name)
         if keep == name or node.fresh_bytes == 0:
             continue
-        merged, removed = _merge(graph, keep, name, pos, originals)
+        merged, removed = _merge(graph, keep, name, pos, left)
         new_order = tuple(n for n in order if n not in removed)
-        description = f"share {keep} with {name} ({node.op_name}): {len(removed)} copied node(s) merged"
+        description = f"{says.format(keep=keep, drop=name)} ({node.op_name}): {len(removed)} node(s) merged"
         found.append(Rewrite(reordered(merged, new_order), description, new_order, frozenset(removed | {keep})))
     return found
 
