@@ -121,9 +121,28 @@ def estimate_latency(graph: Graph, order: Sequence[str], model: CostModel) -> La
 
 
 # -------------------------------------------------------------- node work
+#: operators that only allocate: their result's contents are undefined, so no kernel writes it
+_ALLOCATIONS = frozenset(
+    {
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    }
+)
+
+
 def is_free(node: Node) -> bool:
-    """Graph inputs and ``getitem`` of a tuple: nothing runs."""
-    return node.is_input or node.target is operator.getitem
+    """Graph inputs, ``getitem`` of a tuple and bare allocations (``empty``): nothing runs."""
+    return node.is_input or node.target is operator.getitem or node.target in _ALLOCATIONS
+
+
+def _in_place(node: Node) -> bool:
+    """An operator that writes into its argument (``add_``, as gradient accumulation adds
+    into ``.grad``): its result aliases an input, yet a kernel reads and writes it all."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def _delegated_seconds(node: Node, model: CostModel) -> float | None:
@@ -250,7 +269,7 @@ class AnalyticCostModel:
         delegated = _delegated_seconds(node, self)
         if delegated is not None:
             return delegated
-        if is_free(node) or is_view(node):
+        if is_free(node) or (is_view(node) and not _in_place(node)):
             return 0.0
         profile = self.profile
         passes = profile.batch_norm_passes if "batch_norm" in node.op_name else 1.0
