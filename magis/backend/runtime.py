@@ -142,12 +142,19 @@ def bind(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) ->
     return env
 
 
-def execute(program: Program, env: dict[str, Any], seconds: list[float] | None = None) -> dict[str, Any]:
+def execute(
+    program: Program,
+    env: dict[str, Any],
+    seconds: list[float] | None = None,
+    emit: Callable[[str, Any], None] | None = None,
+) -> dict[str, Any]:
     """Run the instructions; ``env`` holds the bound inputs and receives the outputs.
 
     With ``seconds``, the wall time of each instruction (mapping its arguments, the
     call, freeing what died) is appended to it: the in-step profile of
-    :func:`magis.cost.profiler.measure_in_step`.
+    :func:`magis.cost.profiler.measure_in_step`. With ``emit``, each value is handed
+    to ``emit(node, value)`` as soon as it is made, before what died is freed (a
+    fissioned region merges a part's results as they come).
     """
 
     def value(ref: Ref) -> Any:
@@ -169,6 +176,8 @@ def execute(program: Program, env: dict[str, Any], seconds: list[float] | None =
                 streams.wait_for(ins.waits)
                 env[ins.node] = ins.fn(*args, **kwargs)
             del args, kwargs
+            if emit is not None:
+                emit(ins.node, env[ins.node])
             for name in ins.free:
                 del env[name]
             if seconds is not None:

@@ -166,11 +166,12 @@ class FissionRegion:
 
     Calling it with the region's inputs slices each input along ``slice_dims`` (a view,
     nothing copied), runs the part's graph with :func:`magis.backend.runtime.execute`
-    (which frees every intermediate after its last use), and writes the part's
-    outputs into the results, allocated after the first part: into their slice along
-    ``concat_dims``, or added in (``None``). The next part starts only after the
-    previous one's tensors are gone, so the region holds at most one part's memory on
-    top of its results.
+    (which frees every intermediate after its last use), and writes each of the part's
+    outputs into its result as soon as it is made: into its slice along
+    ``concat_dims``, or added in (``None``), as autograd adds a gradient into
+    ``.grad``. A result is allocated when the first part makes it. The next part
+    starts only after the previous one's tensors are gone, so the region holds at most
+    one part's memory, its results merged as they come, on top of its results.
 
     A result has the strides the unsplit sub-graph would have given it (a later view
     of it may depend on them): :meth:`result_strides` works them out on meta tensors.
@@ -194,13 +195,20 @@ class FissionRegion:
         return self.graph.structural_hash()[:10]
 
     @cached_property
+    def streaming(self) -> Graph:
+        """One part whose results are merged as they are made: its outputs are not held to
+        the part's end but die at their last use inside the part (or at once)."""
+        return replace(self.graph, outputs=())
+
+    @cached_property
     def program(self) -> Program:
-        return lower(self.graph)
+        return lower(self.streaming)
 
     @cached_property
     def part_profile(self) -> MemoryProfile:
-        """The memory timeline of one part, its sliced inputs counted as resident."""
-        return simulate_memory(self.graph, [n.name for n in self.graph.nodes])
+        """The memory timeline of one part, its sliced inputs counted as resident and each
+        result gone once it is merged."""
+        return simulate_memory(self.streaming, [n.name for n in self.graph.nodes])
 
     @property
     def workspace(self) -> int:
@@ -210,32 +218,39 @@ class FissionRegion:
         return max(profile.timeline, default=0) - profile.persistent_bytes
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        results: list[torch.Tensor] = []
+        strides = self.result_strides(inputs)
+        results: list[torch.Tensor | None] = [None] * len(self.graph.outputs)
+        slots: dict[str, list[int]] = {}
+        for i, name in enumerate(self.graph.outputs):
+            slots.setdefault(name, []).append(i)
+
+        def merge(name: str, piece: torch.Tensor, k: int) -> None:
+            """Write part ``k``'s result ``name`` into place as soon as it is made (a
+            weight gradient is added in and freed, as autograd's ``AccumulateGrad`` does)."""
+            for i in slots.get(name, ()):
+                result = results[i]
+                if result is None:
+                    meta = self.output_metas[i]
+                    result = torch.empty_strided(meta.shape, strides[i], dtype=meta.dtype, device=piece.device)
+                    results[i] = result
+                dim = self.concat_dims[i]
+                if dim is not None:
+                    _part_of(result, dim, k, self.parts).copy_(piece)
+                elif k == 0:
+                    result.copy_(piece)
+                else:
+                    result.add_(piece)
+
         for k in range(self.parts):
             env = {
                 name: _part_of(x, dim, k, self.parts)
                 for name, x, dim in zip(self.graph.inputs, inputs, self.slice_dims)
             }
-            execute(self.program, env)
-            if k == 0:
-                results = [
-                    torch.empty_strided(meta.shape, strides, dtype=meta.dtype, device=inputs[0].device)
-                    for meta, strides in zip(self.output_metas, self.result_strides(inputs))
-                ]
-            results = self._merge(results, [env[name] for name in self.graph.outputs], k)
-            del env  # the part's outputs die here, before the next part starts
-        return tuple(results)
-
-    def _merge(self, results: list[torch.Tensor], pieces: list[torch.Tensor], k: int) -> list[torch.Tensor]:
-        """Write part ``k``'s outputs into the results."""
-        for result, piece, dim in zip(results, pieces, self.concat_dims):
-            if dim is not None:
-                _part_of(result, dim, k, self.parts).copy_(piece)
-            elif k == 0:
-                result.copy_(piece)
-            else:
-                result.add_(piece)
-        return results
+            for name in set(self.graph.outputs) & set(self.graph.inputs):  # passed through
+                merge(name, env[name], k)
+            execute(self.program, env, emit=lambda name, value, k=k: merge(name, value, k))
+            del env  # the part's tensors die here, before the next part starts
+        return tuple(results)  # type: ignore[arg-type]
 
     def result_strides(self, inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], ...]:
         """The strides of the unsplit sub-graph's outputs for inputs laid out as ``inputs``,
