@@ -18,7 +18,7 @@ from magis.cli import main
 from magis.cost.memory import simulate_memory
 from magis.models import build_workload
 
-PEERS = [name for name, method in METHODS.items() if method.kind == PEER]
+PEERS = [name for name, method in METHODS.items() if method.kind == PEER and not method.opt_in]
 
 # One of each kind: a transformers decoder (checkpointable layers, a KV cache, tied
 # embeddings), a transformers CNN without checkpointing support (BatchNorm, chained
@@ -169,7 +169,7 @@ def test_bench_cli_json_and_plot(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["bench", "vit-base", "--methods", "eager,rockmate"], ["rockmate", "checkpoint-block", "dtr"]),
+        (["bench", "vit-base", "--methods", "eager,hiremate"], ["hiremate", "checkpoint-block", "dtr"]),
         (["bench", "alexnet"], ["alexnet", "bert-base", "unet"]),
         (["bench", "vit-base", "--budget", "0"], ["(0, 1]"]),
         (["bench", "vit-base", "--budget", "0.5", "1.5"], ["(0, 1]", "1.5"]),

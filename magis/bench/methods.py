@@ -33,6 +33,10 @@ Peers (what a practitioner reaches for today):
   solver status, the gap left and the solve time.
 - ``dtr`` — Dynamic Tensor Rematerialization's eviction policy simulated on the
   captured step within ``budget`` (:mod:`magis.search.dtr`).
+- ``rockmate`` — Rockmate 2.0's schedule (rotor + ILP, the ``rockmate`` package) within ``B``
+  times eager's measured activations on the GPU (:mod:`magis.bench.rockmate`). Opt-in
+  (``--methods rockmate``; not in the default set) and measured only: it needs
+  ``rockmate`` and CUDA, and is skipped with the reason otherwise; it has no simulation.
 
 The memory limit of ``checkmate@B`` and ``dtr@B`` is what no plan can free (parameters,
 buffers, inputs, and the gradients and loss the step returns) plus ``B`` times the
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -271,6 +276,8 @@ class Method:
     micro_batched: bool = False  # runs once per micro-batch count k > 1 dividing the batch (accumulation)
     #: facts of a variant's plan for its row (solver status, solve time...), ``None``: none
     details: Callable[[Subject, float | None], dict[str, Any]] | None = None
+    #: left out of the default method set: runs only when named (an optional package's peer)
+    opt_in: bool = False
 
 
 @dataclass(frozen=True)
@@ -326,13 +333,13 @@ def register(method: Method) -> Method:
 def variants(
     names: Sequence[str] | None = None, budgets: Sequence[float] = DEFAULT_BUDGETS, batch: int | None = None
 ) -> list[Variant]:
-    """The variants to compare: ``names`` (default: every method), eager first, one per budget
+    """The variants to compare: ``names`` (default: every method but the opt-in ones), eager first, one per budget
     and, for micro-batched methods, one per divisor ``k > 1`` of ``batch`` (none without a batch).
 
     Raises ValueError naming the valid choices for an unknown method or a budget
     outside ``(0, 1]``.
     """
-    names = list(METHODS) if names is None else list(names)
+    names = [n for n, m in METHODS.items() if not m.opt_in] if names is None else list(names)
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
@@ -505,6 +512,55 @@ def _remat(planner: str) -> tuple[Callable, Callable, Callable]:
     return real, simulate, details
 
 
+#: subject -> budget -> (Rockmate's step, its build on the GPU)
+_ROCKMATE_STEPS: weakref.WeakKeyDictionary[Subject, dict[float, Any]] = weakref.WeakKeyDictionary()
+
+
+def _rockmate_step(subject: Subject, budget: float) -> Any:
+    """Rockmate's module for ``subject`` at ``budget`` on the GPU (built and solved once per budget)."""
+    from magis.bench import rockmate
+
+    reason = rockmate.unavailable_reason()
+    if reason is not None:
+        raise MethodUnavailable(reason)
+    if subject.micro_batches != 1:
+        raise MethodUnavailable("rockmate is not combined with gradient accumulation")
+    steps = _ROCKMATE_STEPS.setdefault(subject, {})
+    if budget not in steps:
+        built = subject.rebuild()
+        device = torch.device("cuda")
+        model = built.model.to(device)
+        inputs = rockmate.to_device(built.example_inputs, device)
+        eager_peak, activations = rockmate.activation_bytes(model, inputs, built.loss_fn)
+        try:
+            step = rockmate.RockmateStep(model, inputs, built.loss_fn, int(budget * activations))
+        except Exception as err:  # Rockmate's tracer or solvers fail on this model or budget
+            raise MethodUnavailable(f"Rockmate failed: {type(err).__name__}: {err}") from err
+        step.details |= {"eager_cuda_peak_bytes": eager_peak, "eager_cuda_activation_bytes": activations}
+        steps[budget] = (step, Built(model, inputs, built.loss_fn))
+    return steps[budget]
+
+
+def _rockmate_real(subject: Subject, budget: float | None) -> Runnable:
+    assert budget is not None
+    rk_step, built = _rockmate_step(subject, budget)
+
+    def step(scope: AbstractContextManager) -> StepResult:
+        result = rk_step(scope)  # eager's reference runs on the CPU: compared there
+        return StepResult(result.loss.cpu(), {n: g.cpu() for n, g in result.gradients.items()}, {})
+
+    return Runnable(step, built)
+
+
+def _rockmate_simulate(_subject: Subject, _budget: float | None) -> Simulated:
+    raise MethodUnavailable("rockmate is measured only: its schedule is not a magis graph")
+
+
+def _rockmate_details(subject: Subject, budget: float | None) -> dict[str, Any]:
+    assert budget is not None
+    return dict(_rockmate_step(subject, budget)[0].details)
+
+
 # --------------------------------------------------------------------- magis
 def _captured_real(subject: Subject, _budget: float | None) -> Runnable:
     return _runtime(subject, [n.name for n in subject.graph.nodes])
@@ -626,6 +682,18 @@ register(
         *_REMAT["dtr"][:2],
         budgeted=True,
         details=_REMAT["dtr"][2],
+    )
+)
+register(
+    Method(
+        "rockmate",
+        "Rockmate 2.0 (rotor + ILP rematerialization) within budget x eager's activations; needs rockmate and CUDA",
+        PEER,
+        _rockmate_real,
+        _rockmate_simulate,
+        budgeted=True,
+        details=_rockmate_details,
+        opt_in=True,
     )
 )
 register(Method("magis-captured", "magis runtime, captured order", MAGIS, _captured_real, _eager_simulate))

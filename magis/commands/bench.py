@@ -10,13 +10,16 @@ from magis.bench.methods import DEFAULT_BUDGETS, METHODS
 from magis.bench.protocol import DEFAULT_MAX_REPEATS, DEFAULT_PRECISION, DEFAULT_REPEATS, DEFAULT_WARMUP, Rounds
 from magis.commands.common import add_workload_arguments, emit, log, positive_int
 
+OPT_IN = [name for name, method in METHODS.items() if method.opt_in]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument(
         "--methods",
         default=None,
-        help=f"comma-separated methods (default: all): {', '.join(METHODS)}; eager always runs, as the reference",
+        help=f"comma-separated methods (default: all but the opt-in {', '.join(OPT_IN)}): {', '.join(METHODS)}; "
+        "eager always runs, as the reference",
     )
     parser.add_argument(
         "--budget",
