@@ -1,124 +1,154 @@
-"""magis.optimize run for real: each workload's plan at several memory limits, measured.
+"""MAGIS §7's two experiments (Fig. 9 and 10): the M-Optimizer beside every peer, per workload.
 
-For each workload at a preset (real weights) on a device (``cpu`` or ``cuda``): the
-plan :func:`magis.optimize` returns per memory limit (a fraction of the captured
-step's simulated peak), run as a user runs it (``loss = plan(*batch)``), against the
-eager step of the same model and batch: measured peak (the meter of
-:mod:`magis.backend.meter`: live tensor bytes on CPU, ``max_memory_allocated`` on
-CUDA) and step time (median of ``--runs``), gradients compared with eager's, and the
-plan's simulated peak and latency. Writes JSON.
+For each workload at each preset, one comparison of the yardstick
+(:func:`magis.bench.compare.compare`): eager, the peers, and the M-Optimizer in both
+of its modes, ``magis-optimize-lat@L`` for each ``--latency-limits`` L (Fig. 9: the
+lowest peak within L times the captured step's latency) and ``magis-optimize@M`` for
+each ``--memory-limits`` M (Fig. 10: the lowest latency within M times its peak).
+``paper`` is simulated (``--device`` profile, h200 by default); ``small`` runs every
+method for real on this machine with the yardstick's protocol, gradients checked
+against eager PyTorch.
 
-    python bench/optimize.py [--models bert-base,unet] [--preset small] [--device cuda]
-                             [--limits 0.8,0.6] [--time-budget 60] [--out results/optimize.json]
+Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane) and
+``<out>/summary.json``, and prints per workload and preset:
+
+- (a) per latency limit L: the plan's peak ratio to eager, the best peer's within the
+  same overhead (which peer), and whether the plan is below it;
+- (b) per memory limit M: the plan's latency overhead over eager (``infeasible`` where
+  the search found no plan within M);
+- (c) the search: the slowest first feasible plan and the longest search, in seconds.
+
+    python bench/optimize.py [--models bert-base,unet] [--presets paper,small]
+                             [--peers eager,accumulate,compile,...] [--budget 1 0.5 0.1]
+                             [--latency-limits 1.05 1.10] [--memory-limits 0.8 0.6 0.4]
+                             [--out results/optimize]
+
+The search runs with the yardstick's budget (60 s, ``magis.bench.methods.OPTIMIZE_SECONDS``):
+time it on a quiet machine. Progress lines go to stderr; the summary table to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-from driver import write_json
-
-import magis
-from magis.backend.eager import compare_gradients, eager_step
-from magis.backend.meter import peak_meter
+from magis.bench.compare import Comparison, Row, best_within, compare
+from magis.bench.console import format_table, log
+from magis.bench.methods import DEFAULT_BUDGETS, LATENCY_LIMITS, METHODS, PEER
+from magis.bench.plot import plot_tradeoff
+from magis.bench.protocol import Rounds
 from magis.models import WORKLOADS
-from magis.plan import InfeasibleLimit
+
+PRESETS = ("paper", "small", "tiny")
+#: the peers by default: every one a user would try (Rockmate only where asked for)
+PEERS = [name for name, method in METHODS.items() if method.kind == PEER and not method.opt_in]
+#: memory limits of Fig. 10, fractions of eager's peak
+MEMORY_LIMITS = (0.8, 0.6, 0.4)
+#: timed rounds of a measured comparison
+REPEATS = 5
 
 
-def _timed(step, runs: int, device: torch.device) -> float:
-    """Median seconds of ``runs`` calls of ``step`` after one warm-up."""
-    times = []
-    for _ in range(runs + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
+    parser.add_argument("--presets", default="paper", help="paper (simulated), small or tiny (measured)")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers (default: all but opt-in)")
+    parser.add_argument("--budget", type=float, nargs="+", default=list(DEFAULT_BUDGETS), metavar="B")
+    parser.add_argument("--latency-limits", type=float, nargs="+", default=list(LATENCY_LIMITS), metavar="L")
+    parser.add_argument("--memory-limits", type=float, nargs="+", default=list(MEMORY_LIMITS), metavar="M")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds of measured runs, at least")
+    parser.add_argument("--device", default="h200", help="device profile of simulated latencies")
+    parser.add_argument("--out", type=Path, default=Path("results/optimize"))
+    return parser.parse_args(argv)
 
 
-def _plan_step(plan: magis.Plan, model: torch.nn.Module, batch: tuple) -> dict[str, torch.Tensor]:
-    """One plan step from zeroed gradients: the gradients it accumulated, and the loss."""
-    model.zero_grad(set_to_none=True)
-    loss = plan(*batch)
-    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return {**grads, "<loss>": loss.detach()}
+def methods(args: argparse.Namespace) -> list[str]:
+    """The peers, then the M-Optimizer at each limit asked for."""
+    return [
+        *args.peers.split(","),
+        *(f"magis-optimize-lat@{limit:g}" for limit in args.latency_limits),
+        *(f"magis-optimize@{limit:g}" for limit in args.memory_limits),
+    ]
 
 
-def measure_workload(name: str, preset: str, device: torch.device, limits: list[float], args: Any) -> dict[str, Any]:
-    built = WORKLOADS[name].build(preset)
-    model = built.model.to(device)
-    batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
-    with peak_meter(model, batch) as meter:
-        torch.manual_seed(0)
-        reference = eager_step(model, batch, built.loss_fn)
-    eager = {
-        "peak_bytes": meter.peak_bytes,
-        "step_s": _timed(lambda: eager_step(model, batch, built.loss_fn), args.runs, device),
-    }
-    rows = []
-    for limit in limits:
-        start = time.perf_counter()
-        try:
-            plan = magis.optimize(
-                model, batch, built.loss_fn, memory_limit=limit, time_budget=args.time_budget, device=args.cost_model
-            )
-        except InfeasibleLimit as err:
-            rows.append({"memory_limit": limit, "infeasible": str(err)})
-            continue
-        search_s = time.perf_counter() - start
-        with peak_meter(model, batch) as meter:
-            torch.manual_seed(0)
-            gradients = _plan_step(plan, model, batch)
-        versus = compare_gradients({**reference.gradients, "<loss>": reference.loss}, gradients)
-        step_s = _timed(lambda plan=plan: _plan_step(plan, model, batch), args.runs, device)
-        report = plan.report()
-        rows.append(
-            {
-                "memory_limit": limit,
-                "search_s": search_s,
-                "simulated_peak_ratio": report["peak_ratio"],
-                "simulated_latency_ratio": report["latency_ratio"],
-                "measured_peak_bytes": meter.peak_bytes,
-                "measured_peak_ratio": meter.peak_bytes / eager["peak_bytes"],
-                "measured_step_ratio": step_s / eager["step_s"],
-                "simulated_vs_measured_peak": plan.peak_bytes / meter.peak_bytes,
-                "max_grad_error": versus.max_error if versus.same_names else None,
-                "gradient_mismatch": None if versus.same_names else versus.describe(),
-                "transformations": {k: len(v) for k, v in report["transformations"].items()},
-            }
+def run_one(workload: str, preset: str, args: argparse.Namespace) -> Comparison:
+    simulated = preset == "paper"
+    comparison = compare(
+        workload,
+        preset,
+        methods(args),
+        args.budget,
+        simulate=simulated,
+        device=args.device if simulated else None,
+        rounds=Rounds(args.repeats),
+        progress=lambda message: log(f"{workload} ({preset}): {message}"),
+    )
+    stem = f"{workload}-{preset}"
+    (args.out / f"{stem}.json").write_text(json.dumps(comparison.to_json(), indent=2))
+    plot_tradeoff(comparison, args.out / f"{stem}.png")
+    return comparison
+
+
+def summary(comparison: Comparison, args: argparse.Namespace) -> dict[str, Any]:
+    """The row of the printed table (and of ``summary.json``) for one comparison."""
+    rows = {row.method: row for row in comparison.rows}
+    out: dict[str, Any] = {"model": comparison.workload, "preset": comparison.preset}
+    searches: list[dict[str, Any]] = []
+    for limit in args.latency_limits:
+        plan = rows.get(f"magis-optimize-lat@{limit:g}")
+        peer = best_within(comparison.rows, limit - 1.0 + 1e-9, kind=PEER)
+        out[f"lat {limit:g}: magis"] = _point(plan)
+        out[f"lat {limit:g}: best peer"] = "-" if peer is None else f"{peer.peak_ratio:.3f} ({peer.method})"
+        out[f"lat {limit:g}: below"] = (
+            "-" if plan is None or peer is None else "yes" if plan.peak_ratio < peer.peak_ratio else "no"
         )
-        print(f"  {name} @ {limit}: {rows[-1]}", file=sys.stderr, flush=True)
-    return {"model": name, "preset": preset, "device": str(device), "eager": eager, "plans": rows}
+        searches.append(plan.details if plan is not None and plan.details else {})
+    for limit in args.memory_limits:
+        plan = rows.get(f"magis-optimize@{limit:g}")
+        details = plan.details if plan is not None and plan.details else {}
+        met = plan is not None and plan.peak_ratio <= limit + 1e-9
+        if plan is None:
+            out[f"mem {limit:g}: overhead"] = "-"
+        else:
+            overhead = f"{plan.latency_ratio - 1.0:+.1%}"
+            out[f"mem {limit:g}: overhead"] = overhead if met else f"infeasible ({plan.peak_ratio:.3f})"
+        searches.append(details)
+    first = [d["first_feasible_s"] for d in searches if d.get("first_feasible_s") is not None]
+    out["first feasible s (max)"] = f"{max(first):.1f}" if first else "-"
+    out["search s (max)"] = f"{max(d.get('search_s', 0.0) for d in searches):.0f}" if searches else "-"
+    return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="bert-base,unet,gpt-neo-1.3b")
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cost-model", default=None, help="latency cost model (default: the device's profiled one)")
-    parser.add_argument("--limits", default="0.8,0.6", help="memory limits, fractions of the captured step's peak")
-    parser.add_argument("--time-budget", type=float, default=60.0)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", default="results/optimize.json")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    limits = [float(x) for x in args.limits.split(",")]
-    results = []
-    for name in args.models.split(","):
-        print(f"{name} ({args.preset}, {device})", file=sys.stderr, flush=True)
-        results.append(measure_workload(name, args.preset, device, limits, args))
-    print(f"wrote {write_json(args.out, {'workloads': results})}")
+def _point(row: Row | None) -> str:
+    return "-" if row is None else f"{row.peak_ratio:.3f} @ {row.latency_ratio:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    models, presets = args.models.split(","), args.presets.split(",")
+    unknown = [m for m in models if m not in WORKLOADS] + [p for p in presets if p not in PRESETS]
+    if unknown:
+        print(f"unknown workload or preset {unknown[0]!r}: workloads {', '.join(WORKLOADS)}; presets "
+              f"{', '.join(PRESETS)}", file=sys.stderr)  # fmt: skip
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = []
+    for workload in models:
+        for preset in presets:
+            start = time.perf_counter()
+            table.append(summary(run_one(workload, preset, args), args))
+            log(f"{workload} ({preset}): done in {time.perf_counter() - start:.0f} s")
+            (args.out / "summary.json").write_text(json.dumps(table, indent=2))
+    print(f"magis-optimize beside the best peer (results in {args.out}):")
+    print(format_table(table))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

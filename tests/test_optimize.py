@@ -25,7 +25,8 @@ from magis.rules.rewrite import Rewrite
 from magis.search.graph_hash import wl_hash
 from magis.search.m_optimizer import Objective, m_optimize
 from magis.search.registry import RULES, register_graph_rule
-from magis.search.single_fission import best_single_fission
+from magis.search.rule_front import recompute_front
+from magis.search.single_fission import best_single_fission, separable_step, single_fissions
 
 STATES = 40  # enough for these small steps to reach their best fission
 
@@ -41,6 +42,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(torch.relu(self.b(torch.tanh(self.a(x))))).square().mean()
+
+
+class GeluStack(nn.Module):
+    """Linear -> GELU -> LayerNorm blocks: recomputing a GELU from its saved input frees its output."""
+
+    def __init__(self, d: int = 64, blocks: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self.norm(nn.functional.gelu(layer(x)))
+        return x.square().mean()
 
 
 def mlp(dtype: torch.dtype = torch.float64) -> tuple[nn.Module, torch.Tensor]:
@@ -308,3 +323,34 @@ def test_better_than_and_the_relaxed_acceptance_per_mode():
     assert both.met_by(s(100, 1.5)) and not both.met_by(s(100, 1.6)) and not both.met_by(s(101, 1.0))
     with pytest.raises(ValueError, match="memory limit"):
         Objective("memory")
+
+
+def test_first_level_fissions_each_root_at_every_fission_number():
+    """With no rule to apply, the search keeps its first level: each root of the F-Tree
+    at every fission number is a state, so the lowest peak is the root's best split."""
+    model, x = mlp()
+    graph = capture(model, (x,))
+    result = m_optimize(graph, Objective("memory", 1), cost_model("h200"), rule_names=[], progress=False)
+    step = separable_step(graph, result.initial.order)
+    roots = [c for c in step.tree.candidates if c.parent is None]
+    splits = [o for c in roots for o in single_fissions(step.graph, step.order, step.dgraph, c)]
+    assert len({o.parts for o in splits}) >= 3  # more than the smallest n alone
+    assert result.best.peak_bytes <= min(o.peak_bytes for o in splits)
+    assert result.best.regions()[0]["parts"] == min(splits, key=lambda o: o.peak_bytes).parts
+
+
+def test_recompute_dive_reaches_the_greedy_front_within_the_latency_limit():
+    """The first level's recompute greedy: within a latency limit the search's plan peaks no
+    higher than the recompute-only front's best point within it, and says what it recomputed."""
+    torch.manual_seed(0)
+    graph = capture(GeluStack().double(), (torch.randn(256, 64, dtype=torch.float64),))
+    h200 = cost_model("h200")
+    initial = m_optimize(graph, Objective("latency", latency_s=1e9), h200, rule_names=[], progress=False).initial
+    limit = 1.3 * initial.latency_s
+    front = recompute_front(graph, h200, initial.order, latency_limit_s=limit)
+    within = [p for p in front.points if p.latency_s <= limit]
+    assert min(p.peak_bytes for p in within) < initial.peak_bytes  # recomputing helps this step
+    result = m_optimize(graph, Objective("latency", latency_s=limit), h200, rule_names=["remat"], progress=False)
+    assert result.best.latency_s <= limit
+    assert result.best.peak_bytes <= min(p.peak_bytes for p in within)
+    assert result.stats.rules.get("remat", 0) >= 1

@@ -202,3 +202,16 @@ def test_pareto_front_and_best_within_overhead():
     assert best_within(rows).method == "a"
     assert best_within(rows, kind=None).method == "m"
     assert best_within(rows, overhead=0.6).method == "c"
+
+
+def test_a_method_name_may_fix_its_own_limit():
+    names = [v.name for v in variants(["magis-optimize@0.8", "magis-optimize-lat@1.05", "compile"], [0.5])]
+    assert names == ["eager", "magis-optimize@0.8", "magis-optimize-lat@1.05", "compile@0.5"]
+    for bad, words in [
+        ("magis-optimize@1.5", "budget"),
+        ("magis-optimize-lat@0.9", "at least 1"),
+        ("magis-optimize@lots", "must be a number"),
+        ("eager@0.5", "unknown method"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            variants([bad])

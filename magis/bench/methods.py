@@ -94,10 +94,9 @@ from magis.ir.graph import Graph
 from magis.models import Built, build_workload, get_workload
 from magis.search.checkmate import CheckmatePlan, checkmate_plan
 from magis.search.dtr import DTRPlan, dtr_plan
-from magis.search.m_optimizer import DEFAULT_MAX_STATES, Mode, Objective, m_optimize
+from magis.search.m_optimizer import DEFAULT_MAX_STATES, Mode, Objective, SearchResult, m_optimize
 from magis.search.remat import DoesNotFit, RematProblem, remat_problem, replay
 from magis.search.single_fission import SingleFission, choose_within, single_fission_options
-from magis.search.state import MState
 
 #: what ``simulate`` returns: a graph and the order of its nodes the method runs
 Simulated = tuple[Graph, Sequence[str]]
@@ -133,7 +132,7 @@ class Subject:
     batch: int | None = None
     seed: int = 0
     built: Built = field(init=False)
-    _searches: dict[tuple[Mode, float], MState] = field(init=False, default_factory=dict, repr=False)
+    _searches: dict[tuple[Mode, float], SearchResult] = field(init=False, default_factory=dict, repr=False)
     #: set on the subjects of gradient accumulation (:meth:`accumulating`): k micro-batches of batch / k
     micro_batches: int = 1
 
@@ -197,9 +196,9 @@ class Subject:
         """magis' best single fission within ``budget`` times the scheduled peak."""
         return choose_within(self.single_fissions, int(budget * self.single_fissions[0].peak_bytes))
 
-    def optimized(self, limit: float, mode: Mode = "memory") -> MState:
-        """The M-Optimizer's best state within ``limit`` times the captured step's simulated
-        peak (``memory`` mode) or latency (``latency`` mode), searched once per limit."""
+    def optimized(self, limit: float, mode: Mode = "memory") -> SearchResult:
+        """The M-Optimizer's search for the best state within ``limit`` times the captured
+        step's simulated peak (``memory`` mode) or latency (``latency`` mode), run once per limit."""
         if (mode, limit) not in self._searches:
             model = cost_model("h200" if self.preset == "paper" else "cpu")
             captured = [n.name for n in self.graph.nodes]
@@ -208,7 +207,7 @@ class Subject:
             else:
                 objective = Objective(mode, latency_s=limit * estimate_latency(self.graph, captured, model).total_s)
             result = m_optimize(self.graph, objective, model, OPTIMIZE_SECONDS, OPTIMIZE_STATES, progress=False)
-            self._searches[mode, limit] = result.best
+            self._searches[mode, limit] = result
         return self._searches[mode, limit]
 
     @cached_property
@@ -336,25 +335,47 @@ def variants(
     """The variants to compare: ``names`` (default: every method but the opt-in ones), eager first, one per budget
     and, for micro-batched methods, one per divisor ``k > 1`` of ``batch`` (none without a batch).
 
-    Raises ValueError naming the valid choices for an unknown method or a budget
-    outside ``(0, 1]``.
+    A name may fix its own limit, ``magis-optimize@0.8`` or ``magis-optimize-lat@1.05``:
+    that variant alone, whatever ``budgets`` says. Raises ValueError naming the valid
+    choices for an unknown method, a budget outside ``(0, 1]`` or a latency limit below 1.
     """
     names = [n for n, m in METHODS.items() if not m.opt_in] if names is None else list(names)
-    unknown = [n for n in names if n not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    fixed = [_fixed_limit(n) for n in names]
     if not budgets:
         raise ValueError("give at least one activation memory budget")
     budgets = [check_budget(b) for b in budgets]
-    ordered = [REFERENCE, *dict.fromkeys(n for n in names if n != REFERENCE)]
+    ordered = [(REFERENCE, None), *dict.fromkeys(f for f in fixed if f[0] != REFERENCE)]
     out: list[Variant] = []
     counts = [k for k in range(2, (batch or 0) + 1) if batch % k == 0]
-    for name in ordered:
+    for name, limit in ordered:
         method = METHODS[name]
         for k in counts if method.micro_batched else [None]:
+            if limit is not None:
+                out.append(Variant(method, limit, k))
+                continue
             limits = budgets if method.budgeted else method.latency_limits or [None]
             out += [Variant(method, limit, k) for limit in limits]
     return out
+
+
+def _fixed_limit(name: str) -> tuple[str, float | None]:
+    """``("magis-optimize", 0.8)`` for ``"magis-optimize@0.8"``, ``(name, None)`` for a plain
+    method name; ValueError for anything else."""
+    if name in METHODS:
+        return name, None
+    base, _, text = name.rpartition("@")
+    method = METHODS.get(base)
+    if method is None or not (method.budgeted or method.latency_limits):
+        raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (a budgeted one may end in @B)")
+    try:
+        limit = float(text)
+    except ValueError:
+        raise ValueError(f"{name!r}: the limit after '@' must be a number, got {text!r}") from None
+    if method.budgeted:
+        return base, check_budget(limit)
+    if not limit >= 1.0:
+        raise ValueError(f"{name!r}: a latency limit is a ratio to the captured step's latency, at least 1")
+    return base, limit
 
 
 # --------------------------------------------------------------------- steps
@@ -586,24 +607,41 @@ def _fission_simulate(subject: Subject, budget: float | None) -> Simulated:
     return chosen.graph, chosen.order
 
 
-def _optimizer(mode: Mode) -> tuple[Callable[[Subject, float | None], Runnable], Callable[..., Simulated]]:
-    """The M-Optimizer's real and simulated step in ``mode``, the variant's limit as its limit."""
+def _optimizer(mode: Mode) -> tuple[Callable[..., Runnable], Callable[..., Simulated], Callable[..., dict[str, Any]]]:
+    """The M-Optimizer's real and simulated step in ``mode``, the variant's limit as its
+    limit, and its row's details."""
 
     def real(subject: Subject, limit: float | None) -> Runnable:
         assert limit is not None
-        best = subject.optimized(limit, mode)
+        best = subject.optimized(limit, mode).best
         return _runtime(subject, best.order, best.graph)
 
     def simulate(subject: Subject, limit: float | None) -> Simulated:
         assert limit is not None
-        best = subject.optimized(limit, mode)
+        best = subject.optimized(limit, mode).best
         return best.graph, best.order
 
-    return real, simulate
+    def details(subject: Subject, limit: float | None) -> dict[str, Any]:
+        """The search's statistics (MAGIS §7.4: how fast a first plan comes) and what the plan does."""
+        assert limit is not None
+        result = subject.optimized(limit, mode)
+        stats = result.stats
+        return {
+            "search_s": stats.seconds,
+            "first_feasible_s": stats.first_feasible_s,
+            "states": stats.states,
+            "stopped_by": stats.stopped_by,
+            "limit_met": stats.first_feasible_s is not None,
+            "fission": result.best.regions(),
+            "steps": [step.rule for step in result.best.steps],
+        }
+
+    return real, simulate, details
 
 
 _CHECKPOINT_BLOCK = _checkpointing(lambda model, _inputs: checkpoint_every_block(model))
 _REMAT = {planner: _remat(planner) for planner in ("checkmate", "dtr")}
+_OPTIMIZE: dict[Mode, tuple] = {mode: _optimizer(mode) for mode in ("memory", "latency")}
 register(Method("eager", "eager PyTorch: forward, loss, backward()", PEER, _eager_real, _eager_simulate))
 register(
     Method(
@@ -713,8 +751,9 @@ register(
         "magis-optimize",
         "magis' M-Optimizer (MAGIS Alg. 3): lowest simulated latency within budget x the captured step's peak",
         MAGIS,
-        *_optimizer("memory"),
+        *_OPTIMIZE["memory"][:2],
         budgeted=True,
+        details=_OPTIMIZE["memory"][2],
     )
 )
 register(
@@ -722,7 +761,8 @@ register(
         "magis-optimize-lat",
         "magis' M-Optimizer (MAGIS Alg. 3): lowest simulated peak within L x the captured step's latency",
         MAGIS,
-        *_optimizer("latency"),
+        *_OPTIMIZE["latency"][:2],
         latency_limits=LATENCY_LIMITS,
+        details=_OPTIMIZE["latency"][2],
     )
 )

@@ -6,8 +6,8 @@ Algorithm 3 (MAGIS §6.2), as implemented here:
   becomes the first M-State; the step made separable along its samples gets its
   F-Tree (Algorithm 1) and, as the first level of the search, every state with one
   F-Tree node enabled at its smallest fission number (the Mutate rule raises it
-  later, reaching what :mod:`magis.search.single_fission` enumerates), so a
-  feasible plan comes early however large the graph;
+  later, reaching what :mod:`magis.search.single_fission` enumerates) and each root
+  at every fission number, so a feasible plan comes early however large the graph;
 - line 12: the queue pops the best state by ``BetterThan`` (:class:`Objective`);
 - lines 13-17: every registered M-Rule (:mod:`magis.search.registry`) makes new
   states: an F-Tree rule changes fission numbers, a graph rule rewrites the graph
@@ -27,7 +27,9 @@ The search is anytime: :attr:`SearchResult.best` is the best state at any moment
 it stops when the queue is empty, after ``max_states`` states, or at the time budget.
 Ties in the queue go to the state made first, and states are made in rule
 registration order, so the same graph, limits and cost model give the same plan
-whenever the state limit (not the clock) ends the search.
+whenever the state limit (not the clock) ends the search, and the first level's
+recompute greedy ends by running out of progress (on small steps it does; on
+thousands of nodes its share of the budget may end it).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ from magis.rules.rewrite import Rewrite
 from magis.schedule import incremental_schedule, schedule
 from magis.search.graph_hash import wl_hash
 from magis.search.registry import DEVICE_ONLY_RULES, MRule, rules
-from magis.search.single_fission import separable_step
+from magis.search.rule_front import recompute_front
+from magis.search.single_fission import fission_numbers, separable_step
 from magis.search.state import EMPTY_TREE, MState, Step, changed_nodes, simulate_state
 
 #: relaxation of the acceptance test (MAGIS §6.2: "empirically set to 1.1")
@@ -61,6 +64,10 @@ DELTA = 1.1
 DEFAULT_MAX_STATES = 2000
 #: seconds for the first, full schedule of the captured step (at most a quarter of the budget)
 SCHEDULE_S = 20.0
+#: share of the time budget the recompute greedy of the first level may spend
+DIVE_SHARE = 0.5
+#: points of that greedy's front made states (each then fissioned along its roots)
+DIVE_STATES = 6
 #: seconds for one incremental schedule (Alg. 2); on a large graph its DP may stop at this
 #: limit, so there the schedule (and the plan) can depend on the machine's speed
 INCREMENTAL_S = 1.0
@@ -162,7 +169,7 @@ class _Mutation:
     tree: FTree
     graph: Graph
     carried: tuple[str, ...]
-    step: Step
+    steps: tuple[Step, ...]  # what made it from its parent (the recompute dive: several remats)
     #: the carried order is an incremental schedule of ``graph`` itself (a rewrite under an
     #: F-Tree that fissions nothing): scheduling it again would change nothing
     scheduled: bool = False
@@ -222,21 +229,80 @@ class _Search:
         return simulate_state(graph, order, EMPTY_TREE, graph, order, key, self.cost_model)
 
     def _first_level(self, graph: Graph, initial: MState) -> None:
-        """The separable step with its F-Tree, then each F-Tree node enabled alone at its smallest ``n``."""
+        """The separable step with its F-Tree and its fissions (:meth:`_fissions`), then the
+        points of the recompute greedy (:meth:`_recompute_dive`), each with its roots fissioned."""
         step = separable_step(graph, initial.order, self.levels)
-        root = _Mutation(step.graph, step.order, step.tree, step.graph, step.order, Step("separable", "make separable"))
+        root = _Mutation(
+            step.graph, step.order, step.tree, step.graph, step.order, (Step("separable", "make separable"),)
+        )
         separable = self._evaluate(initial, root, reschedule=False)
         if separable is None:  # nothing to rewrite: the captured step is separable as it is
             separable = replace(initial, tree=step.tree)
         self._consider(separable, push=True)
-        for i, candidate in enumerate(step.tree.candidates):
+        self._fissions(separable, every_node=True)
+        for state in self._recompute_dive(separable):
+            self._fissions(state, every_node=False)
+
+    def _fissions(self, parent: MState, every_node: bool) -> None:
+        """States of ``parent`` with one F-Tree node enabled: each root at every ``n``, and
+        with ``every_node`` each node at its smallest ``n`` (the Mutate rule raises it
+        later). A root spans the most of the step (the whole step along its samples is
+        gradient accumulation), so the plans that trade parts for memory are there at
+        once, not after many Mutate steps. The order carried over is kept."""
+        tree = parent.tree
+        first = [(i, next_divisor(c.length, 1)) for i, c in enumerate(tree.candidates)] if every_node else []
+        roots = [(i, c) for i, c in enumerate(tree.candidates) if c.parent is None]
+        every_n = [(i, n) for i, c in roots for n in fission_numbers(c.length)]
+        for i, parts in dict.fromkeys([*every_n, *first]):  # the roots first: a feasible plan soonest
             if self._out_of_budget():
                 return
-            tree = step.tree.with_parts({i: next_divisor(candidate.length, 1)})
-            mutation = self._applied(step.graph, step.order, tree, Step("enable", _describe(step.tree, tree)))
-            child = self._evaluate(separable, mutation, reschedule=False) if mutation is not None else None
+            enabled = tree.with_parts({i: parts})
+            step = Step("enable", _describe(tree, enabled))
+            mutation = self._applied(parent.base, parent.base_order, enabled, step)
+            child = self._evaluate(parent, mutation, reschedule=False) if mutation is not None else None
             if child is not None:
                 self._consider(child, push=True)
+
+    def _recompute_dive(self, separable: MState) -> list[MState]:
+        """The first level, continued: the greedy of the recompute rule walks from the
+        separable step down its peak/latency front (:func:`magis.search.rule_front.recompute_front`,
+        at most :data:`DIVE_SHARE` of the budget, never past the latency limit), and up to
+        :data:`DIVE_STATES` points of that front, spread along it, and the one the objective
+        ranks best, become states, their F-Tree re-analysed (``Analyze``) so that fission
+        can be laid over them. Algorithm 3 reaches such plans too, one remat at a time,
+        but each of its expansions simulates every candidate of every rule."""
+        if "remat" not in {rule.name for rule in self.active} or self._out_of_budget():
+            return []
+        budget = min(DIVE_SHARE * self.time_budget, self.deadline - time.perf_counter())
+        if budget <= 0:
+            return []
+        front = recompute_front(
+            separable.base,
+            self.cost_model,
+            separable.base_order,
+            time_budget=budget,
+            latency_limit_s=self.objective.latency_s,
+        )
+        points = front.points[1:]  # the first is the separable step itself
+        if not points:
+            return []
+        spread = {round(k * (len(points) - 1) / max(DIVE_STATES - 1, 1)) for k in range(DIVE_STATES)}
+        best = min(range(len(points)), key=lambda k: self.objective.rank(points[k].peak_bytes, points[k].latency_s))
+        made = []
+        for k in sorted(spread | {best}):
+            if self._out_of_budget():
+                break
+            point = points[k]
+            profile = simulate_memory(point.graph, point.order)
+            touched = changed_nodes(separable.base, point.graph)
+            tree = update_ftree(separable.tree, point.graph, profile, touched, self.levels)
+            steps = tuple(Step("remat", f"recompute {target} (greedy)") for target in point.recomputed)
+            mutation = _Mutation(point.graph, point.order, tree, point.graph, point.order, steps, scheduled=True)
+            state = self._evaluate(separable, mutation)
+            if state is not None:
+                self._consider(state, push=True)
+                made.append(state)
+        return made
 
     def _loop(self) -> None:
         while self.queue:
@@ -320,7 +386,7 @@ class _Search:
         except InvalidFission:
             self.stats.invalid += 1
             return None
-        return _Mutation(base, base_order, tree, applied.graph, applied.order, step)
+        return _Mutation(base, base_order, tree, applied.graph, applied.order, (step,))
 
     def _evaluate(self, parent: MState, mutation: _Mutation, reschedule: bool = True) -> MState | None:
         """Hash, schedule and simulate a mutation of ``parent``; None for a graph seen before.
@@ -346,10 +412,11 @@ class _Search:
             order,
             key,
             self.cost_model,
-            (*parent.steps, mutation.step),
+            (*parent.steps, *mutation.steps),
         )
         self.stats.states += 1
-        self.stats.rules[mutation.step.rule] = self.stats.rules.get(mutation.step.rule, 0) + 1
+        rule = mutation.steps[-1].rule
+        self.stats.rules[rule] = self.stats.rules.get(rule, 0) + 1
         self.bar.update()
         return state
 

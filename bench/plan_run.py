@@ -1,0 +1,124 @@
+"""magis.optimize run for real: each workload's plan at several memory limits, measured.
+
+For each workload at a preset (real weights) on a device (``cpu`` or ``cuda``): the
+plan :func:`magis.optimize` returns per memory limit (a fraction of the captured
+step's simulated peak), run as a user runs it (``loss = plan(*batch)``), against the
+eager step of the same model and batch: measured peak (the meter of
+:mod:`magis.backend.meter`: live tensor bytes on CPU, ``max_memory_allocated`` on
+CUDA) and step time (median of ``--runs``), gradients compared with eager's, and the
+plan's simulated peak and latency. Writes JSON.
+
+    python bench/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
+                             [--limits 0.8,0.6] [--time-budget 60] [--out results/plan_run.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from driver import write_json
+
+import magis
+from magis.backend.eager import compare_gradients, eager_step
+from magis.backend.meter import peak_meter
+from magis.models import WORKLOADS
+from magis.plan import InfeasibleLimit
+
+
+def _timed(step, runs: int, device: torch.device) -> float:
+    """Median seconds of ``runs`` calls of ``step`` after one warm-up."""
+    times = []
+    for _ in range(runs + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _plan_step(plan: magis.Plan, model: torch.nn.Module, batch: tuple) -> dict[str, torch.Tensor]:
+    """One plan step from zeroed gradients: the gradients it accumulated, and the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = plan(*batch)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return {**grads, "<loss>": loss.detach()}
+
+
+def measure_workload(name: str, preset: str, device: torch.device, limits: list[float], args: Any) -> dict[str, Any]:
+    built = WORKLOADS[name].build(preset)
+    model = built.model.to(device)
+    batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
+    with peak_meter(model, batch) as meter:
+        torch.manual_seed(0)
+        reference = eager_step(model, batch, built.loss_fn)
+    eager = {
+        "peak_bytes": meter.peak_bytes,
+        "step_s": _timed(lambda: eager_step(model, batch, built.loss_fn), args.runs, device),
+    }
+    rows = []
+    for limit in limits:
+        start = time.perf_counter()
+        try:
+            plan = magis.optimize(
+                model, batch, built.loss_fn, memory_limit=limit, time_budget=args.time_budget, device=args.cost_model
+            )
+        except InfeasibleLimit as err:
+            rows.append({"memory_limit": limit, "infeasible": str(err)})
+            continue
+        search_s = time.perf_counter() - start
+        with peak_meter(model, batch) as meter:
+            torch.manual_seed(0)
+            gradients = _plan_step(plan, model, batch)
+        versus = compare_gradients({**reference.gradients, "<loss>": reference.loss}, gradients)
+        step_s = _timed(lambda plan=plan: _plan_step(plan, model, batch), args.runs, device)
+        report = plan.report()
+        rows.append(
+            {
+                "memory_limit": limit,
+                "search_s": search_s,
+                "simulated_peak_ratio": report["peak_ratio"],
+                "simulated_latency_ratio": report["latency_ratio"],
+                "measured_peak_bytes": meter.peak_bytes,
+                "measured_peak_ratio": meter.peak_bytes / eager["peak_bytes"],
+                "measured_step_ratio": step_s / eager["step_s"],
+                "simulated_vs_measured_peak": plan.peak_bytes / meter.peak_bytes,
+                "max_grad_error": versus.max_error if versus.same_names else None,
+                "gradient_mismatch": None if versus.same_names else versus.describe(),
+                "transformations": {k: len(v) for k, v in report["transformations"].items()},
+            }
+        )
+        print(f"  {name} @ {limit}: {rows[-1]}", file=sys.stderr, flush=True)
+    return {"model": name, "preset": preset, "device": str(device), "eager": eager, "plans": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="bert-base,unet,gpt-neo-1.3b")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cost-model", default=None, help="latency cost model (default: the device's profiled one)")
+    parser.add_argument("--limits", default="0.8,0.6", help="memory limits, fractions of the captured step's peak")
+    parser.add_argument("--time-budget", type=float, default=60.0)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", default="results/plan_run.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    limits = [float(x) for x in args.limits.split(",")]
+    results = []
+    for name in args.models.split(","):
+        print(f"{name} ({args.preset}, {device})", file=sys.stderr, flush=True)
+        results.append(measure_workload(name, args.preset, device, limits, args))
+    print(f"wrote {write_json(args.out, {'workloads': results})}")
+
+
+if __name__ == "__main__":
+    main()
