@@ -51,6 +51,12 @@ def test_recompute_front_stops_at_its_limits():
     limited = recompute_front(graph, H200, latency_limit_s=start * 1.0001)
     assert limited.stopped_by in ("latency limit", "no progress")
     assert sum(p.latency_s > start * 1.0001 for p in limited.visited) <= 1  # the point past the limit ends it
+    full = recompute_front(graph, H200)
+    assert len(full.visited) >= 3
+    target = full.visited[len(full.visited) // 2].peak_bytes
+    reached = recompute_front(graph, H200, peak_limit_bytes=target)
+    assert reached.stopped_by == "peak limit"
+    assert reached.visited[-1].peak_bytes <= target < reached.visited[-2].peak_bytes  # the first point within it
 
 
 def test_swap_front_swaps_and_refuses_a_cpu():

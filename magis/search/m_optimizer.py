@@ -229,8 +229,10 @@ class _Search:
         return simulate_state(graph, order, EMPTY_TREE, graph, order, key, self.cost_model)
 
     def _first_level(self, graph: Graph, initial: MState) -> None:
-        """The separable step with its F-Tree and its fissions (:meth:`_fissions`), then the
-        points of the recompute greedy (:meth:`_recompute_dive`), each with its roots fissioned."""
+        """The separable step with its F-Tree and its roots fissioned (:meth:`_fissions`),
+        the points of the recompute greedy (:meth:`_recompute_dive`), each with its roots
+        fissioned, then every other F-Tree node of the separable step at its smallest ``n``:
+        the likeliest plans first, so that a feasible one comes soonest."""
         step = separable_step(graph, initial.order, self.levels)
         root = _Mutation(
             step.graph, step.order, step.tree, step.graph, step.order, (Step("separable", "make separable"),)
@@ -239,21 +241,25 @@ class _Search:
         if separable is None:  # nothing to rewrite: the captured step is separable as it is
             separable = replace(initial, tree=step.tree)
         self._consider(separable, push=True)
-        self._fissions(separable, every_node=True)
+        self._fissions(separable, roots=True)
         for state in self._recompute_dive(separable):
-            self._fissions(state, every_node=False)
+            self._fissions(state, roots=True)
+        self._fissions(separable, roots=False)
 
-    def _fissions(self, parent: MState, every_node: bool) -> None:
-        """States of ``parent`` with one F-Tree node enabled: each root at every ``n``, and
-        with ``every_node`` each node at its smallest ``n`` (the Mutate rule raises it
+    def _fissions(self, parent: MState, roots: bool) -> None:
+        """States of ``parent`` with one F-Tree node enabled: each root at every ``n``
+        (``roots``), or each other node at its smallest ``n`` (the Mutate rule raises it
         later). A root spans the most of the step (the whole step along its samples is
         gradient accumulation), so the plans that trade parts for memory are there at
         once, not after many Mutate steps. The order carried over is kept."""
         tree = parent.tree
-        first = [(i, next_divisor(c.length, 1)) for i, c in enumerate(tree.candidates)] if every_node else []
-        roots = [(i, c) for i, c in enumerate(tree.candidates) if c.parent is None]
-        every_n = [(i, n) for i, c in roots for n in fission_numbers(c.length)]
-        for i, parts in dict.fromkeys([*every_n, *first]):  # the roots first: a feasible plan soonest
+        if roots:
+            chosen = [
+                (i, n) for i, c in enumerate(tree.candidates) if c.parent is None for n in fission_numbers(c.length)
+            ]
+        else:
+            chosen = [(i, next_divisor(c.length, 1)) for i, c in enumerate(tree.candidates) if c.parent is not None]
+        for i, parts in chosen:
             if self._out_of_budget():
                 return
             enabled = tree.with_parts({i: parts})
@@ -266,7 +272,8 @@ class _Search:
     def _recompute_dive(self, separable: MState) -> list[MState]:
         """The first level, continued: the greedy of the recompute rule walks from the
         separable step down its peak/latency front (:func:`magis.search.rule_front.recompute_front`,
-        at most :data:`DIVE_SHARE` of the budget, never past the latency limit), and up to
+        at most :data:`DIVE_SHARE` of the budget, never past the latency limit, and no further
+        down than the memory limit), and up to
         :data:`DIVE_STATES` points of that front, spread along it, and the one the objective
         ranks best, become states, their F-Tree re-analysed (``Analyze``) so that fission
         can be laid over them. Algorithm 3 reaches such plans too, one remat at a time,
@@ -282,6 +289,7 @@ class _Search:
             separable.base_order,
             time_budget=budget,
             latency_limit_s=self.objective.latency_s,
+            peak_limit_bytes=self.objective.memory_bytes,
         )
         points = front.points[1:]  # the first is the separable step itself
         if not points:

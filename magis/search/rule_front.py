@@ -74,8 +74,8 @@ class FrontPoint:
 @dataclass(frozen=True)
 class RuleFront:
     """The Pareto front the greedy reached (first point: the scheduled step), every point it
-    visited, and why it stopped (``"no progress"``, ``"time budget"``, ``"round limit"`` or
-    ``"latency limit"``)."""
+    visited, and why it stopped (``"no progress"``, ``"time budget"``, ``"round limit"``,
+    ``"latency limit"`` or ``"peak limit"``)."""
 
     points: tuple[FrontPoint, ...]
     visited: tuple[FrontPoint, ...]
@@ -102,6 +102,7 @@ class _Limits:
     time_budget: float  # seconds
     max_rounds: int | None  # ``None``: no limit
     latency_s: float | None  # stop once a point is slower than this (``None``: no limit)
+    peak_bytes: int | None = None  # stop once a point peaks at most this (``None``: no limit)
 
 
 def recompute_front(
@@ -114,10 +115,13 @@ def recompute_front(
     max_rounds: int | None = None,
     latency_limit_s: float | None = None,
     progress: bool = False,
+    peak_limit_bytes: int | None = None,
 ) -> RuleFront:
     """The front of recompute-only plans of ``graph`` (module docstring), from ``order``
     (default: its memory-optimal order). ``heavy`` lets matrix products and convolutions
-    be recomputed too (the ranking still prefers cheap operators: they cost less per byte)."""
+    be recomputed too (the ranking still prefers cheap operators: they cost less per byte).
+    With ``peak_limit_bytes`` the greedy stops at the first point that peaks no higher
+    (``"peak limit"``): further rounds would only add time."""
 
     def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
         return [
@@ -129,7 +133,7 @@ def recompute_front(
             for p in remat_proposals(current, timeline, heavy, max_ops)
         ]
 
-    limits = _Limits(time_budget, max_rounds, latency_limit_s)
+    limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes)
     return _greedy(graph, model, order, propose, "recomputed", limits, progress)
 
 
@@ -206,6 +210,9 @@ def _greedy(
                 break
             if limits.latency_s is not None and current.latency_s > limits.latency_s:
                 stopped_by = "latency limit"
+                break
+            if limits.peak_bytes is not None and current.peak_bytes <= limits.peak_bytes:
+                stopped_by = "peak limit"
                 break
             step = _best_step(current, model, propose, deadline)
             if step is None:
