@@ -4,10 +4,11 @@ Algorithm 3 (MAGIS §6.2), as implemented here:
 
 - lines 9-10: the captured step is scheduled (:func:`magis.schedule.schedule`) and
   becomes the first M-State; the step made separable along its samples gets its
-  F-Tree (Algorithm 1) and, as the first level of the search, every state with one
-  F-Tree node enabled at its smallest fission number (the Mutate rule raises it
-  later, reaching what :mod:`magis.search.single_fission` enumerates) and each root
-  at every fission number, so a feasible plan comes early however large the graph;
+  F-Tree (Algorithm 1); the first level of the search holds each F-Tree root at every
+  fission number, the points of a recompute greedy (each with its roots fissioned
+  too) and every other F-Tree node at its smallest fission number (the Mutate rule
+  raises it later, reaching what :mod:`magis.search.single_fission` enumerates), so
+  a feasible plan comes early however large the graph;
 - line 12: the queue pops the best state by ``BetterThan`` (:class:`Objective`);
 - lines 13-17: every registered M-Rule (:mod:`magis.search.registry`) makes new
   states: an F-Tree rule changes fission numbers, a graph rule rewrites the graph
@@ -271,13 +272,13 @@ class _Search:
 
     def _recompute_dive(self, separable: MState) -> list[MState]:
         """The first level, continued: the greedy of the recompute rule walks from the
-        separable step down its peak/latency front (:func:`magis.search.rule_front.recompute_front`,
-        at most :data:`DIVE_SHARE` of the budget, never past the latency limit, and no further
-        down than the memory limit), and up to
-        :data:`DIVE_STATES` points of that front, spread along it, and the one the objective
-        ranks best, become states, their F-Tree re-analysed (``Analyze``) so that fission
-        can be laid over them. Algorithm 3 reaches such plans too, one remat at a time,
-        but each of its expansions simulates every candidate of every rule."""
+        separable step down its peak/latency front
+        (:func:`magis.search.rule_front.recompute_front`: at most :data:`DIVE_SHARE` of
+        the budget, never past the latency limit, no further down than the memory limit).
+        Up to :data:`DIVE_STATES` points spread along that front, and the one the
+        objective ranks best, become states, their F-Tree re-analysed (``Analyze``) so
+        that fission can be laid over them. Algorithm 3 reaches such plans too, one
+        remat at a time, but each of its expansions simulates every candidate of every rule."""
         if "remat" not in {rule.name for rule in self.active} or self._out_of_budget():
             return []
         budget = min(DIVE_SHARE * self.time_budget, self.deadline - time.perf_counter())
