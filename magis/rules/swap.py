@@ -61,10 +61,13 @@ def swap_proposals(graph: Graph, timeline: Timeline) -> list[SwapProposal]:
     """Every saved tensor of ``timeline`` whose leaving device memory frees bytes at the
     peak; cheap, nothing is rewritten or simulated (that is :func:`swapped`)."""
     found = []
+    position = {name: i for i, name in enumerate(timeline.order)}
     for saved in saved_tensors(graph, timeline):
         holder = _holder(graph, saved)
+        if holder is None or position[holder] >= saved.first_late:
+            continue  # no value to store before the first late reader (a getitem taken late)
         saving = net_saving(timeline, saved.freed, {})
-        if holder is not None and saving is not None:
+        if saving is not None:
             found.append(SwapProposal(saved, holder, saving))
     return found
 
