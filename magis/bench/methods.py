@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -133,6 +132,8 @@ class Subject:
     seed: int = 0
     built: Built = field(init=False)
     _searches: dict[tuple[Mode, float], SearchResult] = field(init=False, default_factory=dict, repr=False)
+    #: Rockmate's solved module and the build it runs, per budget (``rockmate@B``: solved once)
+    _rockmate: dict[float, Any] = field(init=False, default_factory=dict, repr=False)
     #: set on the subjects of gradient accumulation (:meth:`accumulating`): k micro-batches of batch / k
     micro_batches: int = 1
 
@@ -533,10 +534,6 @@ def _remat(planner: str) -> tuple[Callable, Callable, Callable]:
     return real, simulate, details
 
 
-#: subject -> budget -> (Rockmate's step, its build on the GPU)
-_ROCKMATE_STEPS: weakref.WeakKeyDictionary[Subject, dict[float, Any]] = weakref.WeakKeyDictionary()
-
-
 def _rockmate_step(subject: Subject, budget: float) -> Any:
     """Rockmate's module for ``subject`` at ``budget`` on the GPU (built and solved once per budget)."""
     from magis.bench import rockmate
@@ -546,7 +543,7 @@ def _rockmate_step(subject: Subject, budget: float) -> Any:
         raise MethodUnavailable(reason)
     if subject.micro_batches != 1:
         raise MethodUnavailable("rockmate is not combined with gradient accumulation")
-    steps = _ROCKMATE_STEPS.setdefault(subject, {})
+    steps = subject._rockmate
     if budget not in steps:
         built = subject.rebuild()
         device = torch.device("cuda")

@@ -152,16 +152,22 @@ class RockmateStep:
         config.solver.bottom.hilp.time_limit = self.ilp_time_limit_s
         config.solver.bottom.hilp.nb_bdg_save = config.solver.bottom.hilp.nb_bdg_peak = self.budget_points
         start = time.perf_counter()
-        tracer = "torch.export"
-        try:
-            self.module = from_config(
+
+        def build(**graph: Any) -> Any:
+            """Rockmate's module of ``wrapped`` (from ``graph``, rkgb's result, where given)."""
+            return from_config(
                 wrapped,
                 self.inputs,
                 self.budget_bytes,
                 config=config,
                 gpu_optim=GradientKeeper,
                 cpu_optim=GradientKeeper,
+                **graph,
             )
+
+        tracer = "torch.export"
+        try:
+            self.module = build()
         except Exception as export_err:  # rkgb cannot parse export's graph: its TorchScript path
             tracer = f"torch.jit.trace (torch.export failed: {type(export_err).__name__}: {export_err})"
             try:
@@ -172,15 +178,7 @@ class RockmateStep:
                     inspection_device=torch.device("cuda"),
                     use_jit_instead_of_dynamo=True,
                 )
-                self.module = from_config(
-                    wrapped,
-                    self.inputs,
-                    self.budget_bytes,
-                    config=config,
-                    rkgb_res=res,
-                    gpu_optim=GradientKeeper,
-                    cpu_optim=GradientKeeper,
-                )
+                self.module = build(rkgb_res=res)
             except Exception as jit_err:
                 raise RuntimeError(
                     f"with torch.export: {type(export_err).__name__}: {export_err}; "
