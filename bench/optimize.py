@@ -21,7 +21,13 @@ Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane
     python bench/optimize.py [--models bert-base,unet] [--presets paper,small]
                              [--peers eager,accumulate,compile,...] [--budget 1 0.5 0.1]
                              [--latency-limits 1.05 1.10] [--memory-limits 0.8 0.6 0.4]
-                             [--out results/optimize]
+                             [--peers-from results/optimize] [--out results/optimize]
+
+Simulated peers are deterministic: ``--peers-from DIR`` takes the peers' rows (and
+eager's) from an earlier run's ``<workload>-paper.json`` in ``DIR`` instead of
+simulating them again (most of a paper-size run), with ``--peers eager``; it refuses a
+measured preset, whose figures belong to the run that took them, and a run made for
+another device profile.
 
 The search runs with the yardstick's budget (60 s, ``magis.bench.methods.OPTIMIZE_SECONDS``):
 time it on a quiet machine. Progress lines go to stderr; the summary table to stdout.
@@ -34,6 +40,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-limits", type=float, nargs="+", default=list(MEMORY_LIMITS), metavar="M")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds of measured runs, at least")
     parser.add_argument("--device", default="h200", help="device profile of simulated latencies")
+    parser.add_argument("--peers-from", type=Path, default=None, metavar="DIR", help="reuse simulated peers' rows")
     parser.add_argument("--out", type=Path, default=Path("results/optimize"))
     return parser.parse_args(argv)
 
@@ -89,9 +97,24 @@ def run_one(workload: str, preset: str, args: argparse.Namespace) -> Comparison:
         progress=lambda message: log(f"{workload} ({preset}): {message}"),
     )
     stem = f"{workload}-{preset}"
+    if args.peers_from is not None:
+        comparison = with_peers_from(comparison, args.peers_from / f"{stem}.json")
     (args.out / f"{stem}.json").write_text(json.dumps(comparison.to_json(), indent=2))
     plot_tradeoff(comparison, args.out / f"{stem}.png")
     return comparison
+
+
+def with_peers_from(comparison: Comparison, path: Path) -> Comparison:
+    """``comparison`` with the peers' rows of the simulated comparison at ``path`` added
+    (those it does not hold itself); ValueError for a measured one, or another device."""
+    if comparison.measured:
+        raise ValueError("--peers-from takes simulated figures only: measured peers belong to the run that timed them")
+    earlier = Comparison.from_json(json.loads(path.read_text()))
+    if earlier.measured or earlier.settings.get("device") != comparison.settings.get("device"):
+        raise ValueError(f"{path} is not a simulation for device {comparison.settings.get('device')!r}")
+    have = {row.method for row in comparison.rows}
+    peers = [row for row in earlier.rows if row.kind == PEER and row.method not in have]
+    return replace(comparison, rows=[*comparison.rows, *peers])
 
 
 def summary(comparison: Comparison, args: argparse.Namespace) -> dict[str, Any]:

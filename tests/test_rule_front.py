@@ -44,6 +44,19 @@ def test_recompute_front_is_monotone_and_starts_at_the_scheduled_step():
     assert cheap.points[-1].peak_bytes >= front.points[-1].peak_bytes
 
 
+def test_recompute_front_takes_a_layers_worth_of_tensors_in_one_round():
+    """On a stack of identical blocks the same tensor is saved in every block: rounds take
+    several of them together (fewer rounds than tensors recomputed), the front as monotone
+    and reaching as low as one at a time would (the greedy with batches of one)."""
+    graph = mlp_step(blocks=8).graph
+    front = recompute_front(graph, H200)
+    assert_monotone(front.points)
+    assert len(front.visited) - 1 < len(front.points[-1].recomputed)
+    one_by_one = recompute_front(graph, H200, batching=False)
+    assert all(len(p.recomputed) == i for i, p in enumerate(one_by_one.visited))
+    assert front.points[-1].peak_bytes <= one_by_one.points[-1].peak_bytes
+
+
 def test_recompute_front_stops_at_its_limits():
     graph = mlp_step().graph
     assert recompute_front(graph, H200, max_rounds=1).stopped_by == "round limit"

@@ -28,7 +28,19 @@ from magis.frontend.capture import capture
 from magis.ir.graph import Graph
 from magis.models import WORKLOADS, Built
 from magis.rules.compact import compact
-from magis.rules.remat import RematError, de_remat, recompute, remat, shared_copies, why_not_recomputable
+from magis.rules.remat import (
+    RematError,
+    all_shared_copies,
+    de_remat,
+    independent,
+    recompute,
+    remat,
+    remat_proposals,
+    rematerialized,
+    rematerialized_together,
+    shared_copies,
+    why_not_recomputable,
+)
 from magis.rules.rewrite import Rewrite, Timeline, saved_tensors
 from magis.rules.swap import de_swap, swap
 from magis.schedule import schedule
@@ -112,9 +124,9 @@ class GeluMLP(nn.Module):
         return x.square().mean()
 
 
-def mlp_step() -> Step:
+def mlp_step(blocks: int = 3) -> Step:
     torch.manual_seed(0)
-    return step_of(Built(GeluMLP().double(), (torch.randn(64, 16, dtype=torch.float64),)))
+    return step_of(Built(GeluMLP(blocks).double(), (torch.randn(64, 16, dtype=torch.float64),)))
 
 
 def greedy(graph: Graph, steps: int, heavy: bool = False) -> tuple[Graph, list[Rewrite]]:
@@ -201,6 +213,33 @@ def test_copies_of_one_chain_recomputed_twice_are_shared():
         removed = set(graph.index) - set(rewrite.graph.index)
         assert removed and not removed & originals, rewrite.description
         assert_runs_like_eager(step, rewrite.graph, rewrite.order)
+
+    at_once = all_shared_copies(graph, order, originals)
+    assert at_once is not None and not set(graph.index) - set(at_once.graph.index) & originals
+    assert len(at_once.graph) <= min(len(r.graph) for r in shared)  # every merge, at once
+    assert not shared_copies(at_once.graph, at_once.order, originals)
+    assert_runs_like_eager(step, at_once.graph, at_once.order)
+
+
+def test_independent_recomputations_applied_together_run_like_eager():
+    """Proposals of one timeline that copy, free and rewire different nodes, applied in one
+    rewrite: the peak drops below what any of them reaches alone, and the step computes
+    eager's gradients with dropout live, measured peak = simulated."""
+    step = mlp_step(blocks=6)
+    timeline = Timeline.of(step.graph)
+    proposals = sorted(remat_proposals(step.graph, timeline), key=lambda p: -p.saving)
+    taken = []
+    for proposal in proposals:
+        if all(independent(proposal, other) for other in taken):
+            taken.append(proposal)
+    assert len(taken) >= 3
+    assert not independent(proposals[0], proposals[0])
+    together = rematerialized_together(step.graph, timeline, taken)
+    assert together is not None and together.memory is not None
+    assert together.memory.peak == simulate_memory(together.graph, together.order).peak
+    alone = [rematerialized(step.graph, timeline, p) for p in taken]
+    assert together.memory.peak < min(simulate_memory(r.graph, r.order).peak for r in alone if r is not None)
+    assert_runs_like_eager(step, together.graph, together.order)
 
 
 def test_refusals_name_their_reason():

@@ -450,9 +450,38 @@ class ProfiledCostModel:
             self.cache.save()
 
 
+class RewriteFamilyCostModel:
+    """``model``'s node times remembered per :class:`~magis.ir.graph.Node` object, for a
+    family of graphs rewritten from one another by rules that add nodes under fresh names
+    and rewire readers, but never change what a name holds (recomputation and swapping:
+    :mod:`magis.search.rule_front`). There a node object costs the same in every graph of
+    the family: its inputs, read by name, keep their shapes and storages. A fissioned graph
+    reuses names at other shapes: price it with ``model`` itself.
+
+    The greedy that owns one prices thousands of nodes per candidate, almost all of them
+    the same objects as in the candidate before; this is what keeps a round at paper size fast.
+    """
+
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+        #: id(node) -> (node, seconds): the node is held so that its id stays its own
+        self._seconds: dict[int, tuple[Node, float]] = {}
+
+    def node_seconds(self, graph: Graph, name: str) -> float:
+        node = graph[name]
+        known = self._seconds.get(id(node))
+        if known is not None and known[0] is node:
+            return known[1]
+        seconds = self.model.node_seconds(graph, name)
+        self._seconds[id(node)] = (node, seconds)
+        return seconds
+
+
 def has_device_memory(model: CostModel) -> bool:
     """Whether ``model`` prices a device whose memory is not host memory (a GPU, measured
     or profiled): only there does swapping to host memory free anything."""
+    if isinstance(model, RewriteFamilyCostModel):
+        return has_device_memory(model.model)
     if isinstance(model, ProfiledCostModel):
         return model.device.type == "cuda"
     return isinstance(model, AnalyticCostModel) and model.profile.sm_count > 0

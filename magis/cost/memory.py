@@ -46,21 +46,23 @@ def storage_lifetimes(graph: Graph, order: Sequence[str]) -> dict[StorageKey, tu
     """For every storage, the first and last step (inclusive) it is live in ``order``."""
     pos = {name: i for i, name in enumerate(order)}
     last = len(order) - 1
-    outputs = set(graph.outputs)
-    storages = graph.storages
+    resident = graph.persistent | set(graph.outputs)
+    persistent, storages, consumers = graph.persistent, graph.storages, graph.consumers
     span: dict[StorageKey, tuple[int, int]] = {}
-    for name in order:
-        node = graph[name]
-        if node.role.persistent or name in outputs:
-            end = last
+    for i, name in enumerate(order):
+        readers = consumers[name]
+        if name in resident or not readers:
+            end = last if name in resident else i
         else:
-            end = max((pos[c] for c in graph.consumers[name]), default=pos[name])
+            end = max(map(pos.__getitem__, readers))
         for key in storages[name]:
             if key is None:
                 continue
-            start = 0 if graph[key[0]].role.persistent else pos[key[0]]
             old = span.get(key)
-            span[key] = (start, end) if old is None else (start, max(old[1], end))
+            if old is None:
+                span[key] = (0 if key[0] in persistent else pos[key[0]], end)
+            elif end > old[1]:
+                span[key] = (old[0], end)
     return span
 
 
@@ -78,7 +80,7 @@ def simulate_memory(graph: Graph, order: Sequence[str]) -> MemoryProfile:
     for key, (start, end) in span.items():
         delta[start] += sizes[key]
         delta[end + 1] -= sizes[key]
-        if graph[key[0]].role.persistent:
+        if key[0] in graph.persistent:
             persistent += sizes[key]
     timeline = []
     live = 0

@@ -229,8 +229,13 @@ class Graph:
         """Position of each node in ``nodes``."""
         return {n.name: i for i, n in enumerate(self.nodes)}
 
+    @cached_property
+    def node_of(self) -> dict[str, Node]:
+        """Each node by its name (what ``graph[name]`` looks up)."""
+        return {n.name: n for n in self.nodes}
+
     def __getitem__(self, name: str) -> Node:
-        return self.nodes[self.index[name]]
+        return self.node_of[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self.index
@@ -267,6 +272,11 @@ class Graph:
             for p in n.inputs:
                 cons[p].append(n.name)
         return {k: tuple(v) for k, v in cons.items()}
+
+    @cached_property
+    def persistent(self) -> frozenset[str]:
+        """Names of the nodes resident for the whole step (:attr:`Role.persistent`)."""
+        return frozenset(n.name for n in self.nodes if n.role.persistent)
 
     @cached_property
     def inputs(self) -> tuple[str, ...]:
@@ -374,7 +384,9 @@ class Graph:
             return Ref(rename.get(ref.name, ref.name))
 
         kept = [
-            n if not rename else replace(n, args=map_refs(n.args, ren), kwargs=map_refs(n.kwargs, ren))
+            replace(n, args=map_refs(n.args, ren), kwargs=map_refs(n.kwargs, ren))
+            if rename and any(p in rename for p in n.inputs)
+            else n
             for n in self.nodes
             if n.name not in removed
         ]

@@ -51,8 +51,9 @@ def compact(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
             rewrite = _dropout_from_mask(graph, timeline, saved)
         else:
             continue
-        if rewrite is not None and timeline.not_raised_by(rewrite.graph):
-            found.append(rewrite)
+        memory = None if rewrite is None else timeline.not_raised_by(rewrite.graph)
+        if rewrite is not None and memory is not None:
+            found.append(replace(rewrite, memory=memory))
     return found
 
 

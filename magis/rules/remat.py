@@ -238,16 +238,27 @@ def recompute(
 def with_copies(graph: Graph, saved: SavedTensor, timeline: Timeline, segment: Segment) -> Graph:
     """``graph`` with ``segment``'s copies placed right before the first late reader of
     ``saved``, those readers reading the copies, and what no longer has readers removed."""
+    return with_all_copies(graph, timeline, [(saved, segment)])
 
-    def to_copy(ref: Ref) -> Ref:
-        return Ref(segment.copy_of.get(ref.name, ref.name))
 
-    readers = [
-        replace(graph[r], args=map_refs(graph[r].args, to_copy), kwargs=map_refs(graph[r].kwargs, to_copy))
-        for r in saved.late
-    ]
-    order = insert_before(timeline.order, [n.name for n in segment.nodes], timeline.order[saved.first_late])
-    return prune_dead(rebuild(graph, order, [*segment.nodes, *readers]), saved.carriers)
+def with_all_copies(graph: Graph, timeline: Timeline, plans: Sequence[tuple[SavedTensor, Segment]]) -> Graph:
+    """:func:`with_copies` for several saved tensors at once, planned on the same
+    ``timeline`` and independent of one another (:func:`independent`)."""
+    order: list[str] = list(timeline.order)
+    rewired: list[Node] = []
+    for saved, segment in plans:
+
+        def to_copy(ref: Ref, copy_of: dict[str, str] = segment.copy_of) -> Ref:
+            return Ref(copy_of.get(ref.name, ref.name))
+
+        rewired += [
+            replace(graph[r], args=map_refs(graph[r].args, to_copy), kwargs=map_refs(graph[r].kwargs, to_copy))
+            for r in saved.late
+        ]
+        order = insert_before(order, [n.name for n in segment.nodes], timeline.order[saved.first_late])
+    copies = [node for _, segment in plans for node in segment.nodes]
+    carriers = [carrier for saved, _ in plans for carrier in saved.carriers]
+    return prune_dead(rebuild(graph, order, [*copies, *rewired]), carriers)
 
 
 @dataclass(frozen=True)
@@ -316,16 +327,47 @@ def joined_by_owner(graph: Graph, saved: Sequence[SavedTensor]) -> list[SavedTen
 def rematerialized(graph: Graph, timeline: Timeline, proposal: RematProposal) -> Rewrite | None:
     """``proposal`` applied: the rewritten graph, or ``None`` where running the copies
     would raise some step above the peak (Echo's guarantee: the footprint never grows)."""
-    saved, segment = proposal.saved, proposal.segment
-    result = with_copies(graph, saved, timeline, segment)
-    if not timeline.not_raised_by(result):
-        return None
-    description = (
-        f"remat {proposal.target} ({graph[proposal.target].op_name}) for {len(saved.late)} reader(s) after the "
-        f"peak: {segment.ops} op(s) recomputed, {proposal.saving} bytes saved at the peak"
+    return rematerialized_together(graph, timeline, [proposal])
+
+
+def independent(a: RematProposal, b: RematProposal) -> bool:
+    """Whether two proposals of one timeline can be applied together, each doing what it
+    would alone: they copy, free and rewire different nodes, and neither's copies read a
+    tensor the other frees (which would then live until those copies run)."""
+    mine = {*a.segment.copy_of, *a.saved.late, *a.saved.carriers}
+    theirs = {*b.segment.copy_of, *b.saved.late, *b.saved.carriers}
+    return (
+        mine.isdisjoint(theirs)
+        and a.segment.reads.isdisjoint(b.saved.carriers)
+        and b.segment.reads.isdisjoint(a.saved.carriers)
     )
-    touched = {n.name for n in segment.nodes} | set(saved.late) | (set(graph.index) - set(result.index))
-    return Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), proposal.saving)
+
+
+def rematerialized_together(graph: Graph, timeline: Timeline, proposals: Sequence[RematProposal]) -> Rewrite | None:
+    """Independent proposals of ``timeline`` (:func:`independent`) applied in one rewrite, or
+    ``None`` where some step would rise above the peak. A greedy that finds the same kind
+    of tensor saved in every layer of a model takes many of them in one round this way."""
+    result = with_all_copies(graph, timeline, [(p.saved, p.segment) for p in proposals])
+    memory = timeline.not_raised_by(result)
+    if memory is None:
+        return None
+    saving = sum(p.saving for p in proposals)
+    if len(proposals) == 1:
+        (proposal,) = proposals
+        saved, segment = proposal.saved, proposal.segment
+        description = (
+            f"remat {proposal.target} ({graph[proposal.target].op_name}) for {len(saved.late)} reader(s) after "
+            f"the peak: {segment.ops} op(s) recomputed, {saving} bytes saved at the peak"
+        )
+    else:
+        description = (
+            f"remat {len(proposals)} saved tensors ({', '.join(p.target for p in proposals)}): "
+            f"{sum(p.segment.ops for p in proposals)} op(s) recomputed, {saving} bytes saved at the peak"
+        )
+    touched = {name for p in proposals for name in (*(n.name for n in p.segment.nodes), *p.saved.late)}
+    touched |= set(graph.index) - set(result.index)
+    order = tuple(n.name for n in result.nodes)
+    return Rewrite(result, description, order, frozenset(touched), saving, memory)
 
 
 def recompute_seconds(graph: Graph, segment: Segment, model: CostModel) -> float:
@@ -386,6 +428,35 @@ def shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str])
     return _duplicates_merged(graph, tuple(order), originals, "share {keep} with {drop}")
 
 
+def all_shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str]) -> Rewrite | None:
+    """Every merge of :func:`shared_copies` made at once, ``None`` where there is none: in
+    ``order``, each copy that computes what an earlier copy computes (reading the copies
+    merged so far) is merged into it, in one pass (value numbering). A round of the
+    greedy that recomputes a tensor of every layer makes a shared copy in each: merging
+    them one by one would rebuild and simulate the step once per layer."""
+    rename: dict[str, str] = {}
+
+    def renamed(ref: Ref) -> Ref:
+        return Ref(rename.get(ref.name, ref.name))
+
+    first: dict[str, str] = {}
+    for name in order:
+        node = graph[name]
+        if name in originals or node.is_input or node.random or node.on_host:
+            continue
+        if any(p in rename for p in node.inputs):
+            node = replace(node, args=map_refs(node.args, renamed), kwargs=map_refs(node.kwargs, renamed))
+        keep = first.setdefault(_key(graph, node), name)
+        if keep != name:
+            rename[name] = keep
+    if not rename:
+        return None
+    new_order = tuple(n for n in order if n not in rename)
+    merged = reordered(graph.replace(rename, rename=rename), new_order)
+    description = f"share {len(set(rename.values()))} recomputed copies: {len(rename)} node(s) merged"
+    return Rewrite(merged, description, new_order, frozenset(rename) | frozenset(rename.values()))
+
+
 def _duplicates_merged(graph: Graph, order: tuple[str, ...], left: frozenset[str], says: str) -> list[Rewrite]:
     """Each node outside ``left`` that allocates memory and computes what an earlier such
     node computes, merged into it (:func:`_merge`), one rewrite per node; ``says`` spells
@@ -421,12 +492,16 @@ def _merge(
             continue
         graph = graph.replace([drop], rename={drop: keep})
         removed.add(drop)
-        readers = set(graph.consumers[keep])
+        # Only readers of ``keep`` can now coincide, with one another, or with the output of a
+        # dropout of ``keep`` (what a dropout applied again from its mask computes: ``_key``).
+        readers = graph.consumers[keep]
+        dropped_out = [c for r in readers if graph[r].target is aten.native_dropout.default for c in graph.consumers[r]]
         earliest: dict[str, str] = {}
-        for node in sorted(graph.nodes, key=lambda n: pos[n.name]):
+        for name in sorted({*readers, *dropped_out}, key=pos.__getitem__):
+            node = graph[name]
             if node.is_input or node.random:
                 continue
-            other = earliest.setdefault(_key(graph, node), node.name)
-            if other != node.name and node.name in readers and node.name not in protected:
-                todo.append((other, node.name))
+            other = earliest.setdefault(_key(graph, node), name)
+            if other != name and name in readers and name not in protected:
+                todo.append((other, name))
     return graph, removed

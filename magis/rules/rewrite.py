@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from magis.cost.memory import StorageKey, simulate_memory, storage_lifetimes
+from magis.cost.memory import MemoryProfile, StorageKey, simulate_memory, storage_lifetimes
 from magis.ir.graph import Graph, GraphError, Node
 
 
@@ -42,6 +42,7 @@ class Rewrite:
     order: tuple[str, ...] = ()  # empty: the rule placed nothing (the caller reschedules)
     touched: frozenset[str] = frozenset()  # empty: the caller compares the graphs
     saving: int = 0
+    memory: MemoryProfile | None = None  # the timeline of ``graph`` in ``order``, where the rule simulated it
 
 
 Rule = Callable[[Graph, Sequence[str] | None], list[Rewrite]]
@@ -89,10 +90,12 @@ class Timeline:
             profile.timeline,
         )
 
-    def not_raised_by(self, rewritten: Graph) -> bool:
-        """The rewritten graph, run in its node order, peaks no higher than this schedule
-        (Echo's guarantee: the footprint never grows), e.g. where a recomputation runs."""
-        return simulate_memory(rewritten, [n.name for n in rewritten.nodes]).peak <= self.peak
+    def not_raised_by(self, rewritten: Graph) -> MemoryProfile | None:
+        """The memory timeline of the rewritten graph run in its node order, where it peaks
+        no higher than this schedule (Echo's guarantee: the footprint never grows, e.g.
+        where a recomputation runs); ``None`` where it peaks higher."""
+        memory = simulate_memory(rewritten, [n.name for n in rewritten.nodes])
+        return memory if memory.peak <= self.peak else None
 
 
 def saved_tensors(graph: Graph, timeline: Timeline) -> list[SavedTensor]:

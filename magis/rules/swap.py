@@ -79,14 +79,16 @@ def swapped(graph: Graph, timeline: Timeline, proposal: SwapProposal, model: Cos
     result = _swapped(graph, saved, timeline, holder)
     if model is not None:
         result = reordered(result, place_transfers(result, [n.name for n in result.nodes], model))
-    if not timeline.not_raised_by(result):
+    memory = timeline.not_raised_by(result)
+    if memory is None:
         return None
     description = (
         f"swap {holder} ({saved.nbytes} bytes) out after it is made, in before "
         f"{timeline.order[saved.first_late]}: {proposal.saving} bytes saved at the peak"
     )
     touched = (set(result.index) ^ set(graph.index)) | set(saved.late)
-    return Rewrite(result, description, tuple(n.name for n in result.nodes), frozenset(touched), proposal.saving)
+    order = tuple(n.name for n in result.nodes)
+    return Rewrite(result, description, order, frozenset(touched), proposal.saving, memory)
 
 
 def swap(graph: Graph, order: Sequence[str] | None = None, model: CostModel | None = None) -> list[Rewrite]:

@@ -53,9 +53,10 @@ from magis.ir.graph import Graph
 from magis.rules.ftree_mutation import apply_ftree, consistent
 from magis.rules.rewrite import Rewrite
 from magis.schedule import incremental_schedule, schedule
+from magis.search.collector import collector_paused
 from magis.search.graph_hash import wl_hash
 from magis.search.registry import DEVICE_ONLY_RULES, MRule, rules
-from magis.search.rule_front import recompute_front
+from magis.search.rule_front import FrontPoint, recompute_front
 from magis.search.single_fission import fission_numbers, separable_step
 from magis.search.state import EMPTY_TREE, MState, Step, changed_nodes, simulate_state
 
@@ -66,7 +67,7 @@ DEFAULT_MAX_STATES = 2000
 #: seconds for the first, full schedule of the captured step (at most a quarter of the budget)
 SCHEDULE_S = 20.0
 #: share of the time budget the recompute greedy of the first level may spend
-DIVE_SHARE = 0.5
+DIVE_SHARE = 0.4
 #: points of that greedy's front made states (each then fissioned along its roots)
 DIVE_STATES = 6
 #: seconds for one incremental schedule (Alg. 2); on a large graph its DP may stop at this
@@ -158,7 +159,8 @@ def m_optimize(
     active = rules(rule_names)
     if rule_names is None and not has_device_memory(cost_model):
         active = tuple(r for r in active if r.name not in DEVICE_ONLY_RULES)
-    return _Search(objective, cost_model, active, levels, time_budget, max_states, progress).run(graph)
+    with collector_paused():
+        return _Search(objective, cost_model, active, levels, time_budget, max_states, progress).run(graph)
 
 
 @dataclass(frozen=True)
@@ -231,9 +233,11 @@ class _Search:
 
     def _first_level(self, graph: Graph, initial: MState) -> None:
         """The separable step with its F-Tree and its roots fissioned (:meth:`_fissions`),
-        the points of the recompute greedy (:meth:`_recompute_dive`), each with its roots
-        fissioned, then every other F-Tree node of the separable step at its smallest ``n``:
-        the likeliest plans first, so that a feasible one comes soonest."""
+        the points of the recompute greedy (:meth:`_recompute_dive`), best first, each
+        with its roots fissioned where the limit points (:meth:`_dive_fissions`), then
+        every other F-Tree node of the separable step at its smallest ``n``, then the
+        points' roots at every other ``n``: the likeliest plans first, so that a feasible
+        one comes soonest."""
         step = separable_step(graph, initial.order, self.levels)
         root = _Mutation(
             step.graph, step.order, step.tree, step.graph, step.order, (Step("separable", "make separable"),)
@@ -242,17 +246,27 @@ class _Search:
         if separable is None:  # nothing to rewrite: the captured step is separable as it is
             separable = replace(initial, tree=step.tree)
         self._consider(separable, push=True)
-        self._fissions(separable, roots=True)
-        for state in self._recompute_dive(separable):
-            self._fissions(state, roots=True)
+        roots = self._fissions(separable, roots=True)
+        points = self._recompute_dive(separable)
+        dived = []
+        for point in sorted(points, key=lambda p: self._with_fission(p, separable, roots)[1]):
+            if self._out_of_budget():
+                return
+            state = self._dive_state(separable, point)
+            if state is not None:
+                self._dive_fissions(state, separable, roots)
+                dived.append(state)
         self._fissions(separable, roots=False)
+        for state in dived:  # where time is left (small graphs): every n the estimate passed over
+            self._fissions(state, roots=True)
 
-    def _fissions(self, parent: MState, roots: bool) -> None:
+    def _fissions(self, parent: MState, roots: bool) -> dict[tuple[str, int], MState]:
         """States of ``parent`` with one F-Tree node enabled: each root at every ``n``
         (``roots``), or each other node at its smallest ``n`` (the Mutate rule raises it
         later). A root spans the most of the step (the whole step along its samples is
         gradient accumulation), so the plans that trade parts for memory are there at
-        once, not after many Mutate steps. The order carried over is kept."""
+        once, not after many Mutate steps. The order carried over is kept. Returns the
+        states made, by the node's label and ``n``."""
         tree = parent.tree
         if roots:
             chosen = [
@@ -260,25 +274,63 @@ class _Search:
             ]
         else:
             chosen = [(i, next_divisor(c.length, 1)) for i, c in enumerate(tree.candidates) if c.parent is not None]
+        made = {}
         for i, parts in chosen:
             if self._out_of_budget():
-                return
-            enabled = tree.with_parts({i: parts})
-            step = Step("enable", _describe(tree, enabled))
-            mutation = self._applied(parent.base, parent.base_order, enabled, step)
-            child = self._evaluate(parent, mutation, reschedule=False) if mutation is not None else None
+                break
+            child = self._enabled(parent, i, parts)
             if child is not None:
-                self._consider(child, push=True)
+                made[(tree.candidates[i].label, parts)] = child
+        return made
 
-    def _recompute_dive(self, separable: MState) -> list[MState]:
+    def _enabled(self, parent: MState, i: int, parts: int) -> MState | None:
+        """``parent`` with F-Tree node ``i`` enabled at ``parts``, in the order carried over
+        and considered (None where it does not apply or was seen)."""
+        tree = parent.tree
+        enabled = tree.with_parts({i: parts})
+        mutation = self._applied(parent.base, parent.base_order, enabled, Step("enable", _describe(tree, enabled)))
+        child = self._evaluate(parent, mutation, reschedule=False) if mutation is not None else None
+        if child is not None:
+            self._consider(child, push=True)
+        return child
+
+    def _dive_fissions(self, state: MState, separable: MState, roots: dict[tuple[str, int], MState]) -> None:
+        """Each root of a point of the recompute greedy fissioned at the ``n`` where the
+        limit lies. Fission and recomputation add their time and save their memory
+        nearly independently: the separable step's root fissions (``roots``) tell, with
+        what the greedy added and saved, which ``n`` just meets the limit (latency mode:
+        the largest within it; memory mode: the smallest within it). From that guess the
+        search walks ``n`` up or down until whether the limit is met changes: two or three
+        states per root instead of one per fission number, on graphs where each costs seconds."""
+        likely, _ = self._with_fission(state, separable, roots)
+        for i, candidate in enumerate(state.tree.candidates):
+            if candidate.parent is not None:
+                continue
+            numbers = fission_numbers(candidate.length)
+            guess = likely.get(candidate.label)
+            k = numbers.index(guess) if guess in numbers else 0
+            direction = 0
+            while 0 <= k < len(numbers) and not self._out_of_budget():
+                child = self._enabled(state, i, numbers[k])
+                if child is None:
+                    break
+                # a state within the limit: in latency mode more parts may save more; in
+                # memory mode fewer parts may cost less time (and the other way round)
+                within = self.objective.met_by(child)
+                step = 1 if within == (self.objective.mode == "latency") else -1
+                if direction and step != direction:
+                    break
+                direction, k = step, k + step
+
+    def _recompute_dive(self, separable: MState) -> list[FrontPoint]:
         """The first level, continued: the greedy of the recompute rule walks from the
         separable step down its peak/latency front
         (:func:`magis.search.rule_front.recompute_front`: at most :data:`DIVE_SHARE` of
         the budget, never past the latency limit, no further down than the memory limit).
         Up to :data:`DIVE_STATES` points spread along that front, and the one the
-        objective ranks best, become states, their F-Tree re-analysed (``Analyze``) so
-        that fission can be laid over them. Algorithm 3 reaches such plans too, one
-        remat at a time, but each of its expansions simulates every candidate of every rule."""
+        objective ranks best, are returned, to be made states (:meth:`_dive_state`) and
+        fissioned. Algorithm 3 reaches such plans too, one remat at a time, but each of
+        its expansions simulates every candidate of every rule."""
         if "remat" not in {rule.name for rule in self.active} or self._out_of_budget():
             return []
         budget = min(DIVE_SHARE * self.time_budget, self.deadline - time.perf_counter())
@@ -297,21 +349,49 @@ class _Search:
             return []
         spread = {round(k * (len(points) - 1) / max(DIVE_STATES - 1, 1)) for k in range(DIVE_STATES)}
         best = min(range(len(points)), key=lambda k: self.objective.rank(points[k].peak_bytes, points[k].latency_s))
-        made = []
-        for k in sorted(spread | {best}):
-            if self._out_of_budget():
-                break
-            point = points[k]
-            profile = simulate_memory(point.graph, point.order)
-            touched = changed_nodes(separable.base, point.graph)
-            tree = update_ftree(separable.tree, point.graph, profile, touched, self.levels)
-            steps = tuple(Step("remat", f"recompute {target} (greedy)") for target in point.recomputed)
-            mutation = _Mutation(point.graph, point.order, tree, point.graph, point.order, steps, scheduled=True)
-            state = self._evaluate(separable, mutation)
-            if state is not None:
-                self._consider(state, push=True)
-                made.append(state)
-        return made
+        return [points[k] for k in sorted(spread | {best})]
+
+    def _dive_state(self, separable: MState, point: FrontPoint) -> MState | None:
+        """A point of the recompute greedy as a state, its F-Tree re-analysed (``Analyze``)
+        so that fission can be laid over it."""
+        profile = simulate_memory(point.graph, point.order)
+        touched = changed_nodes(separable.base, point.graph)
+        tree = update_ftree(separable.tree, point.graph, profile, touched, self.levels)
+        steps = tuple(Step("remat", f"recompute {target} (greedy)") for target in point.recomputed)
+        mutation = _Mutation(point.graph, point.order, tree, point.graph, point.order, steps, scheduled=True)
+        state = self._evaluate(separable, mutation)
+        if state is not None:
+            self._consider(state, push=True)
+        return state
+
+    def _with_fission(
+        self, point: FrontPoint | MState, separable: MState, roots: dict[tuple[str, int], MState]
+    ) -> tuple[dict[str, int], tuple]:
+        """The fission number of each root where the limit lies for a plan that recomputes
+        what ``point`` does (see :meth:`_dive_fissions`), and the objective's rank of that
+        plan, estimated: fission and recomputation add their time nearly independently,
+        and recomputation saves ``1/n`` of its bytes in each of ``n`` parts. The estimate
+        is read off the separable step's fissions of each root (``roots``)."""
+        objective = self.objective
+        added = point.latency_s - separable.latency_s
+        saved = separable.peak_bytes - point.peak_bytes
+        numbers: dict[str, list[int]] = {}
+        for label, n in roots:
+            numbers.setdefault(label, []).append(n)
+        parts: dict[str, int] = {}
+        ranks = [objective.rank(point.peak_bytes, point.latency_s)]  # no fission at all
+        for label, ns in numbers.items():
+            estimates = {n: (roots[(label, n)].peak_bytes - saved / n, roots[(label, n)].latency_s + added) for n in ns}
+            if objective.mode == "latency":
+                assert objective.latency_s is not None
+                within = [n for n, (_, latency) in estimates.items() if latency <= objective.latency_s]
+                parts[label] = max(within, default=min(ns))
+            else:
+                assert objective.memory_bytes is not None
+                within = [n for n, (peak, _) in estimates.items() if peak <= objective.memory_bytes]
+                parts[label] = min(within, default=max(ns))
+            ranks.append(objective.rank(*estimates[parts[label]]))
+        return parts, min(ranks)
 
     def _loop(self) -> None:
         while self.queue:

@@ -21,7 +21,15 @@ its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats o
 5. recomputed copies that compute what an earlier copy computes (two saved intermediates
    of one activation recompute its chain's head twice) are merged into it
    (:func:`magis.rules.remat.shared_copies`), one merge at a time, the one that saves the
-   most time first, while one saves time and raises no step above the peak.
+   most time first, while one saves time and raises no step above the peak;
+6. (recomputation) the same kind of tensor is saved in every layer of a model, so the
+   round's best candidate is also tried together with the next best-ranked proposals
+   independent of it (:func:`magis.rules.remat.rematerialized_together`: one rewrite,
+   one simulation). The batch is taken where it lowers the peak further at no less than
+   half the bytes per second of the best alone; its size (one in the first round, so
+   that the front starts with the cheapest single recomputation) doubles after a batch
+   is taken (up to :data:`MAX_BATCH`) and halves after one is not, so that a round on
+   a model of many layers takes many of them at once.
 
 Every round's state is a point; the greedy stops when no proposal makes progress, or
 at the time budget, the round limit, or once a point is slower than a latency limit.
@@ -36,16 +44,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from tqdm import tqdm
 
-from magis.cost.latency import CostModel, estimate_latency, has_device_memory
-from magis.cost.memory import simulate_memory
+from magis.cost.latency import CostModel, RewriteFamilyCostModel, estimate_latency, has_device_memory
+from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.ir.graph import Graph
-from magis.rules.remat import MAX_OPS, recompute_seconds, remat_proposals, rematerialized, shared_copies
+from magis.rules.remat import (
+    MAX_OPS,
+    all_shared_copies,
+    independent,
+    recompute_seconds,
+    remat_proposals,
+    rematerialized,
+    rematerialized_together,
+    shared_copies,
+)
 from magis.rules.rewrite import Rewrite, Timeline
 from magis.rules.swap import swap_proposals, swapped
 from magis.schedule import incremental_schedule, schedule
+from magis.search.collector import collector_paused
 
 #: candidates rewritten and simulated at a time, best-ranked first
 TOP = 4
@@ -53,6 +72,11 @@ TOP = 4
 INCREMENTAL_S = 1.0
 #: seconds the greedy runs by default
 DEFAULT_TIME_BUDGET_S = 120.0
+#: most proposals one round applies together (step 6)
+MAX_BATCH = 64
+#: a batch is taken only where it drops at least this share of the bytes per second added
+#: that the round's best candidate alone drops (its extra copies must pay too)
+BATCH_EFFICIENCY = 0.5
 #: a candidate that adds no latency divides its saving by this instead
 _NO_SECONDS = 1e-12
 
@@ -90,9 +114,19 @@ class _Candidate:
     target: str
     rank: float  # Echo's estimate: bytes saved per second added (higher first)
     rewrite: Callable[[], Rewrite | None]
+    proposal: Any = None  # what :class:`_Batching` applies together with others
 
 
 Propose = Callable[[Graph, Timeline], list[_Candidate]]
+
+
+@dataclass(frozen=True)
+class _Batching:
+    """How a rule applies several of one round's proposals in one rewrite (step 6 of the
+    module docstring): which proposals go together, and the rewrite of a batch."""
+
+    independent: Callable[[Any, Any], bool]
+    together: Callable[[Graph, Timeline, list[Any]], Rewrite | None]
 
 
 @dataclass(frozen=True)
@@ -116,12 +150,15 @@ def recompute_front(
     latency_limit_s: float | None = None,
     progress: bool = False,
     peak_limit_bytes: int | None = None,
+    batching: bool = True,
 ) -> RuleFront:
     """The front of recompute-only plans of ``graph`` (module docstring), from ``order``
     (default: its memory-optimal order). ``heavy`` lets matrix products and convolutions
     be recomputed too (the ranking still prefers cheap operators: they cost less per byte).
+    Without ``batching`` each round recomputes one tensor (no step 6).
     With ``peak_limit_bytes`` the greedy stops at the first point that peaks no higher
     (``"peak limit"``): further rounds would only add time."""
+    model = RewriteFamilyCostModel(model)
 
     def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
         return [
@@ -129,12 +166,14 @@ def recompute_front(
                 p.target,
                 p.saving / max(recompute_seconds(current, p.segment, model), _NO_SECONDS),
                 lambda p=p: rematerialized(current, timeline, p),
+                p,
             )
             for p in remat_proposals(current, timeline, heavy, max_ops)
         ]
 
     limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes)
-    return _greedy(graph, model, order, propose, "recomputed", limits, progress)
+    together = _Batching(independent, rematerialized_together) if batching else None
+    return _greedy(graph, model, order, propose, "recomputed", limits, progress, together)
 
 
 def swap_front(
@@ -150,6 +189,7 @@ def swap_front(
     their transfers. Raises ValueError where ``model`` prices a device without memory of
     its own (:func:`require_device_memory`)."""
     require_device_memory(model)
+    model = RewriteFamilyCostModel(model)
 
     def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
         return [
@@ -189,6 +229,7 @@ def _greedy(
     kind: str,
     limits: _Limits,
     progress: bool,
+    batching: _Batching | None = None,
 ) -> RuleFront:
     """Rounds of the module docstring until no progress or one of ``limits``."""
     if not limits.time_budget > 0:
@@ -200,7 +241,8 @@ def _greedy(
     originals = frozenset(graph.index)
     visited = [current]
     stopped_by = "no progress"
-    with tqdm(desc=f"magis: {kind} greedy", unit="round", disable=not progress) as bar:
+    batch = 1  # proposals the next round tries together (step 6); the first round takes one
+    with collector_paused(), tqdm(desc=f"magis: {kind} greedy", unit="round", disable=not progress) as bar:
         while True:
             if limits.max_rounds is not None and len(visited) > limits.max_rounds:
                 stopped_by = "round limit"
@@ -217,40 +259,84 @@ def _greedy(
             step = _best_step(current, model, propose, deadline)
             if step is None:
                 break
-            target, rewrite = step
-            current = _with_shared_copies(_applied(current, rewrite, target, kind, model), originals, model)
+            taken, rewrite = [step.candidate], step.rewrite
+            if batching is not None and step.key[0]:
+                wide = _batch(current, step, batching, batch, model) if batch > 1 else None
+                if wide is not None:
+                    taken, rewrite = wide
+                batch = min(2 * batch, MAX_BATCH) if wide is not None or batch == 1 else max(2, batch // 2)
+            targets = tuple(c.target for c in taken)
+            current = _applied(current, rewrite, targets, kind, model)
+            current = _with_shared_copies(current, originals, model, deadline)
             visited.append(current)
             bar.update()
             bar.set_postfix_str(f"peak {current.peak_bytes / 2**20:.1f} MiB, {current.latency_s * 1e3:.3f} ms")
     return RuleFront(pareto(visited), tuple(visited), stopped_by, time.perf_counter() - start)
 
 
-def _best_step(current: FrontPoint, model: CostModel, propose: Propose, deadline: float) -> tuple[str, Rewrite] | None:
+@dataclass(frozen=True)
+class _Step:
+    """The best candidate of a round, its rewrite and progress key, and what the round saw."""
+
+    candidate: _Candidate
+    rewrite: Rewrite
+    key: tuple[int, float, int]  # :func:`_progress`
+    ranked: list[_Candidate]
+    timeline: Timeline
+
+
+def _best_step(current: FrontPoint, model: CostModel, propose: Propose, deadline: float) -> _Step | None:
     """The candidate that makes the most progress from ``current`` (steps 1-3 of the module
     docstring), or ``None`` when none does."""
     timeline = Timeline.of(current.graph, current.order)
     ranked = sorted(propose(current.graph, timeline), key=lambda c: -c.rank)
     for chunk in range(0, len(ranked), TOP):
-        best: tuple[tuple[int, float, int], str, Rewrite] | None = None
+        best: _Step | None = None
         for candidate in ranked[chunk : chunk + TOP]:
             rewrite = candidate.rewrite()
             if rewrite is None:
                 continue
             key = _progress(current, rewrite, model)
-            if key is not None and (best is None or key > best[0]):
-                best = (key, candidate.target, rewrite)
+            if key is not None and (best is None or key > best.key):
+                best = _Step(candidate, rewrite, key, ranked, timeline)
         if best is not None:
-            return best[1], best[2]
+            return best
         if time.perf_counter() > deadline:
             return None
     return None
+
+
+def _batch(
+    current: FrontPoint, step: _Step, batching: _Batching, size: int, model: CostModel
+) -> tuple[list[_Candidate], Rewrite] | None:
+    """The round's best candidate with the next best-ranked ones independent of it and of
+    each other, ``size`` in all, applied in one rewrite (step 6 of the module docstring);
+    ``None`` unless the batch lowers the peak below the best candidate's alone, at no less
+    than :data:`BATCH_EFFICIENCY` of its bytes dropped per second added."""
+    taken = [step.candidate]
+    for candidate in step.ranked:
+        if len(taken) == size:
+            break
+        if candidate is not step.candidate and all(
+            batching.independent(candidate.proposal, other.proposal) for other in taken
+        ):
+            taken.append(candidate)
+    if len(taken) < 2:
+        return None
+    rewrite = batching.together(current.graph, step.timeline, [c.proposal for c in taken])
+    key = _progress(current, rewrite, model) if rewrite is not None else None
+    if rewrite is None or key is None or rewrite.memory is None or step.rewrite.memory is None:
+        return None
+    if rewrite.memory.peak >= step.rewrite.memory.peak or key[1] < BATCH_EFFICIENCY * step.key[1]:
+        return None
+    return taken, rewrite
 
 
 def _progress(current: FrontPoint, rewrite: Rewrite, model: CostModel) -> tuple[int, float, int] | None:
     """How much ``rewrite`` (in its own order) improves on ``current``, higher better:
     a lower peak first, by bytes dropped per second added; then a narrower plateau.
     ``None`` when the peak rises, or stays with as many steps at it."""
-    memory = simulate_memory(rewrite.graph, rewrite.order)
+    memory = rewrite.memory or simulate_memory(rewrite.graph, rewrite.order)
     drop = current.peak_bytes - memory.peak
     if drop < 0 or (drop == 0 and len(memory.peak_steps) >= current.peak_steps):
         return None
@@ -258,28 +344,41 @@ def _progress(current: FrontPoint, rewrite: Rewrite, model: CostModel) -> tuple[
     return (int(drop > 0), drop / max(added, _NO_SECONDS), -len(memory.peak_steps))
 
 
-def _applied(current: FrontPoint, rewrite: Rewrite, target: str, kind: str, model: CostModel) -> FrontPoint:
+def _applied(
+    current: FrontPoint, rewrite: Rewrite, targets: tuple[str, ...], kind: str, model: CostModel
+) -> FrontPoint:
     """The point ``rewrite`` leads to: its graph rescheduled incrementally around what it
     touched (MAGIS Alg. 2), or in the rule's own order where that is better."""
     rescheduled = incremental_schedule(current.graph, current.order, rewrite.graph, rewrite.touched, INCREMENTAL_S)
-    options = [_point(rewrite.graph, rewrite.order, model), _point(rewrite.graph, tuple(rescheduled), model)]
+    options = [
+        _point(rewrite.graph, rewrite.order, model, rewrite.memory),
+        _point(rewrite.graph, tuple(rescheduled), model),
+    ]
     best = min(options, key=lambda p: (p.peak_bytes, p.latency_s))
     history = {"recomputed": current.recomputed, "swapped": current.swapped}
-    history[kind] = (*history[kind], target)
+    history[kind] = (*history[kind], *targets)
     return replace(best, **history)
 
 
-def _with_shared_copies(point: FrontPoint, originals: frozenset[str], model: CostModel) -> FrontPoint:
-    """``point`` with its duplicate recomputed copies merged (step 5 of the module docstring)."""
-    while True:
+def _with_shared_copies(point: FrontPoint, originals: frozenset[str], model: CostModel, deadline: float) -> FrontPoint:
+    """``point`` with its duplicate recomputed copies merged (step 5 of the module docstring):
+    all at once where that raises no step above the peak, else one at a time."""
+    at_once = all_shared_copies(point.graph, point.order, originals)
+    if at_once is not None:
+        merged = _point(at_once.graph, at_once.order, model)
+        if merged.peak_bytes <= point.peak_bytes and merged.latency_s < point.latency_s:
+            return replace(merged, recomputed=point.recomputed, swapped=point.swapped)
+    while time.perf_counter() < deadline:
         merged = (_point(r.graph, r.order, model) for r in shared_copies(point.graph, point.order, originals))
         better = [p for p in merged if p.peak_bytes <= point.peak_bytes and p.latency_s < point.latency_s]
         if not better:
-            return point
+            break
         point = replace(min(better, key=lambda p: p.latency_s), recomputed=point.recomputed, swapped=point.swapped)
+    return point
 
 
-def _point(graph: Graph, order: Sequence[str], model: CostModel) -> FrontPoint:
-    memory = simulate_memory(graph, order)
+def _point(graph: Graph, order: Sequence[str], model: CostModel, memory: MemoryProfile | None = None) -> FrontPoint:
+    """``graph`` in ``order`` simulated (its memory timeline taken from ``memory`` where given)."""
+    memory = memory or simulate_memory(graph, order)
     latency = estimate_latency(graph, order, model).total_s
     return FrontPoint(memory.peak, latency, graph, tuple(order), len(memory.peak_steps))
