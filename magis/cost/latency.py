@@ -480,8 +480,6 @@ class RewriteFamilyCostModel:
 def has_device_memory(model: CostModel) -> bool:
     """Whether ``model`` prices a device whose memory is not host memory (a GPU, measured
     or profiled): only there does swapping to host memory free anything."""
-    if isinstance(model, RewriteFamilyCostModel):
-        return has_device_memory(model.model)
     if isinstance(model, ProfiledCostModel):
         return model.device.type == "cuda"
     return isinstance(model, AnalyticCostModel) and model.profile.sm_count > 0

@@ -51,10 +51,12 @@ def storage_lifetimes(graph: Graph, order: Sequence[str]) -> dict[StorageKey, tu
     span: dict[StorageKey, tuple[int, int]] = {}
     for i, name in enumerate(order):
         readers = consumers[name]
-        if name in resident or not readers:
-            end = last if name in resident else i
-        else:
+        if name in resident:
+            end = last
+        elif readers:
             end = max(map(pos.__getitem__, readers))
+        else:
+            end = i
         for key in storages[name]:
             if key is None:
                 continue
