@@ -3,6 +3,7 @@ measurement, and bad input is refused with the valid choices."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
@@ -108,6 +109,16 @@ def test_accumulation_with_compile():
     measured, simulated, error, note = runs["accumulate@2+compile@0.5"]
     assert note is None and error < 1e-5
     assert abs(simulated - measured) <= 0.02 * measured
+
+
+def test_more_compile_variants_than_dynamos_recompile_limit_all_run_compiled():
+    """A comparison compiles one ``forward`` once per budget and micro-batch count (twelve on
+    resnet50 small): past dynamo's recompile limit (8) the step would run eagerly, which the
+    compiled peer refuses to pass off as compiled."""
+    subject = Subject("unet", "tiny")
+    for budget in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
+        result = METHODS["compile"].real(subject, budget).step(contextlib.nullcontext())
+        assert result.gradients, budget
 
 
 def test_rematerialization_peers_run_their_plans_for_real():

@@ -47,11 +47,17 @@ def test_recompute_front_is_monotone_and_starts_at_the_scheduled_step():
 def test_recompute_front_takes_a_layers_worth_of_tensors_in_one_round():
     """On a stack of identical blocks the same tensor is saved in every block: rounds take
     several of them together (fewer rounds than tensors recomputed), the front as monotone
-    and reaching as low as one at a time would (the greedy with batches of one)."""
+    and reaching as low as one at a time would (the greedy with batches of one). The
+    batches' prefixes are plans too, and fill the front between rounds."""
     graph = mlp_step(blocks=8).graph
     front = recompute_front(graph, H200)
     assert_monotone(front.points)
     assert len(front.visited) - 1 < len(front.points[-1].recomputed)
+    for point in front.passed:
+        point.graph.check_schedule(point.order)
+        assert simulate_memory(point.graph, point.order).peak == point.peak_bytes
+        assert estimate_latency(point.graph, point.order, H200).total_s == pytest.approx(point.latency_s)
+    assert any(any(p is q for q in front.points) for p in front.passed)
     one_by_one = recompute_front(graph, H200, batching=False)
     assert all(len(p.recomputed) == i for i, p in enumerate(one_by_one.visited))
     assert front.points[-1].peak_bytes <= one_by_one.points[-1].peak_bytes

@@ -78,7 +78,7 @@ from magis.backend.runtime import StepResult, lower, run_program
 from magis.bench.accumulation import accumulated_graph, gradient_differences
 from magis.bench.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
 from magis.bench.protocol import Step
-from magis.cost.latency import cost_model, estimate_latency
+from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import CaptureError, LossFn, capture, default_loss
 from magis.frontend.checkpointed import capture_checkpointed
@@ -106,6 +106,8 @@ MAGIS = "magis"
 DEFAULT_DEVICE = "h200"
 #: HiGHS' time limit for one Checkmate program (per workload and budget)
 CHECKMATE_TIME_LIMIT_S = 60.0
+#: dynamo's recompile limit while a compiled peer runs: room for each budget at each micro-batch count
+MAX_COMPILED_VARIANTS = 64
 
 #: seconds and states the M-Optimizer searches per workload and budget in the yardstick (its defaults)
 OPTIMIZE_SECONDS = 60.0
@@ -201,15 +203,29 @@ class Subject:
         """The M-Optimizer's search for the best state within ``limit`` times the captured
         step's simulated peak (``memory`` mode) or latency (``latency`` mode), run once per limit."""
         if (mode, limit) not in self._searches:
-            model = cost_model("h200" if self.preset == "paper" else "cpu")
-            captured = [n.name for n in self.graph.nodes]
+            peak, latency = self.captured_simulated
             if mode == "memory":
-                objective = Objective(mode, memory_bytes=int(limit * simulate_memory(self.graph, captured).peak))
+                objective = Objective(mode, memory_bytes=int(limit * peak))
             else:
-                objective = Objective(mode, latency_s=limit * estimate_latency(self.graph, captured, model).total_s)
+                objective = Objective(mode, latency_s=limit * latency)
+            model = self.search_model
             result = m_optimize(self.graph, objective, model, OPTIMIZE_SECONDS, OPTIMIZE_STATES, progress=False)
             self._searches[mode, limit] = result
         return self._searches[mode, limit]
+
+    @cached_property
+    def search_model(self) -> CostModel:
+        """What the M-Optimizer's searches price on: the h200 profile at paper size (fake
+        tensors), this machine's CPU otherwise."""
+        return cost_model("h200" if self.preset == "paper" else "cpu")
+
+    @cached_property
+    def captured_simulated(self) -> tuple[int, float]:
+        """The captured step's simulated peak and latency (captured order, :attr:`search_model`):
+        what the M-Optimizer's limits and simulated ratios are taken against."""
+        captured = [n.name for n in self.graph.nodes]
+        latency = estimate_latency(self.graph, captured, self.search_model).total_s
+        return simulate_memory(self.graph, captured).peak, latency
 
     @cached_property
     def remat_problem(self) -> RematProblem:
@@ -467,7 +483,7 @@ def _compile_real(subject: Subject, budget: float | None) -> Runnable:
     def step(scope: AbstractContextManager) -> StepResult:
         recorder.scope, calls = scope, recorder.calls
         try:
-            with memory_budget(budget):
+            with memory_budget(budget), _room_for_every_variant():
                 result = inner.step(contextlib.nullcontext())
         finally:
             recorder.scope = None
@@ -477,6 +493,15 @@ def _compile_real(subject: Subject, budget: float | None) -> Runnable:
         return StepResult(result.loss, grads, {})
 
     return Runnable(step, subject.built, inner.gradient_note)
+
+
+def _room_for_every_variant() -> AbstractContextManager:
+    """Dynamo's recompile limit raised for one compiled step: every ``compile@B`` variant of a
+    comparison (and of each micro-batch count) compiles the same ``forward`` code object with
+    its own backend, and past the limit (8 by default) dynamo runs the step eagerly."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    return config.patch(**{name: MAX_COMPILED_VARIANTS})
 
 
 def _compile_simulate(subject: Subject, budget: float | None) -> Simulated:
@@ -623,7 +648,11 @@ def _optimizer(mode: Mode) -> tuple[Callable[..., Runnable], Callable[..., Simul
         assert limit is not None
         result = subject.optimized(limit, mode)
         stats = result.stats
+        peak, latency = subject.captured_simulated
         return {
+            # the plan as the search saw it: set beside a measured row, the simulator's fidelity
+            "simulated_peak_ratio": result.best.peak_bytes / peak,
+            "simulated_latency_ratio": result.best.latency_s / latency,
             "search_s": stats.seconds,
             "first_feasible_s": stats.first_feasible_s,
             "states": stats.states,

@@ -29,7 +29,10 @@ its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats o
    half the bytes per second of the best alone; its size (one in the first round, so
    that the front starts with the cheapest single recomputation) doubles after a batch
    is taken (up to :data:`MAX_BATCH`) and halves after one is not, so that a round on
-   a model of many layers takes many of them at once.
+   a model of many layers takes many of them at once. A batch jumps over the points its
+   first candidates alone would give; its prefixes of 1, 2, 4, … candidates are
+   simulated too (in the rule's own order) and join the front as points passed on the
+   way, so that a limit between two rounds still finds a plan close to it.
 
 Every round's state is a point; the greedy stops when no proposal makes progress, or
 at the time budget, the round limit, or once a point is slower than a latency limit.
@@ -105,6 +108,7 @@ class RuleFront:
     visited: tuple[FrontPoint, ...]
     stopped_by: str
     seconds: float
+    passed: tuple[FrontPoint, ...] = ()  # a batch's prefixes (step 6): on the front, not continued from
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class _Batching:
 
     independent: Callable[[Any, Any], bool]
     together: Callable[[Graph, Timeline, list[Any]], Rewrite | None]
+    prefixes: bool = True  # simulate a batch's prefixes too (points on the front)
 
 
 @dataclass(frozen=True)
@@ -151,11 +156,13 @@ def recompute_front(
     progress: bool = False,
     peak_limit_bytes: int | None = None,
     batching: bool = True,
+    prefixes: bool = True,
 ) -> RuleFront:
     """The front of recompute-only plans of ``graph`` (module docstring), from ``order``
     (default: its memory-optimal order). ``heavy`` lets matrix products and convolutions
     be recomputed too (the ranking still prefers cheap operators: they cost less per byte).
-    Without ``batching`` each round recomputes one tensor (no step 6).
+    Without ``batching`` each round recomputes one tensor (no step 6); without ``prefixes``
+    a batch's prefixes are not simulated (for a caller that only wants to get low fast).
     With ``peak_limit_bytes`` the greedy stops at the first point that peaks no higher
     (``"peak limit"``): further rounds would only add time."""
     model = RewriteFamilyCostModel(model)
@@ -172,7 +179,7 @@ def recompute_front(
         ]
 
     limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes)
-    together = _Batching(independent, rematerialized_together) if batching else None
+    together = _Batching(independent, rematerialized_together, prefixes) if batching else None
     return _greedy(graph, model, order, propose, "recomputed", limits, progress, together)
 
 
@@ -239,7 +246,7 @@ def _greedy(
     order = tuple(schedule(graph).order if order is None else order)
     current = _point(graph, order, model)
     originals = frozenset(graph.index)
-    visited = [current]
+    visited, passed = [current], []
     stopped_by = "no progress"
     batch = 1  # proposals the next round tries together (step 6); the first round takes one
     with collector_paused(), tqdm(desc=f"magis: {kind} greedy", unit="round", disable=not progress) as bar:
@@ -264,6 +271,8 @@ def _greedy(
                 wide = _batch(current, step, batching, batch, model) if batch > 1 else None
                 if wide is not None:
                     taken, rewrite = wide
+                    if batching.prefixes:
+                        passed += _prefixes(current, step, taken, batching, kind, model)
                 batch = min(2 * batch, MAX_BATCH) if wide is not None or batch == 1 else max(2, batch // 2)
             targets = tuple(c.target for c in taken)
             current = _applied(current, rewrite, targets, kind, model)
@@ -271,7 +280,8 @@ def _greedy(
             visited.append(current)
             bar.update()
             bar.set_postfix_str(f"peak {current.peak_bytes / 2**20:.1f} MiB, {current.latency_s * 1e3:.3f} ms")
-    return RuleFront(pareto(visited), tuple(visited), stopped_by, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return RuleFront(pareto([*visited, *passed]), tuple(visited), stopped_by, seconds, tuple(passed))
 
 
 @dataclass(frozen=True)
@@ -332,6 +342,29 @@ def _batch(
     return taken, rewrite
 
 
+def _prefixes(
+    current: FrontPoint, step: _Step, taken: list[_Candidate], batching: _Batching, kind: str, model: CostModel
+) -> list[FrontPoint]:
+    """The points of the first 1, 2, 4, … of a batch's candidates ``taken`` (fewer than all),
+    each in its rewrite's own order: what the front would hold had the batch grown more
+    slowly (step 6 of the module docstring)."""
+    points = []
+    for size in (2**i for i in range((len(taken) - 1).bit_length())):
+        proposals = [c.proposal for c in taken[:size]]
+        rewrite = step.rewrite if size == 1 else batching.together(current.graph, step.timeline, proposals)
+        if rewrite is not None:
+            point = _point(rewrite.graph, rewrite.order, model, rewrite.memory)
+            points.append(_after(current, point, kind, [c.target for c in taken[:size]]))
+    return points
+
+
+def _after(current: FrontPoint, point: FrontPoint, kind: str, targets: Sequence[str]) -> FrontPoint:
+    """``point`` with ``current``'s history and ``targets`` added to its ``kind``."""
+    history = {"recomputed": current.recomputed, "swapped": current.swapped}
+    history[kind] = (*history[kind], *targets)
+    return replace(point, **history)
+
+
 def _progress(current: FrontPoint, rewrite: Rewrite, model: CostModel) -> tuple[int, float, int] | None:
     """How much ``rewrite`` (in its own order) improves on ``current``, higher better:
     a lower peak first, by bytes dropped per second added; then a narrower plateau.
@@ -354,10 +387,7 @@ def _applied(
         _point(rewrite.graph, rewrite.order, model, rewrite.memory),
         _point(rewrite.graph, tuple(rescheduled), model),
     ]
-    best = min(options, key=lambda p: (p.peak_bytes, p.latency_s))
-    history = {"recomputed": current.recomputed, "swapped": current.swapped}
-    history[kind] = (*history[kind], *targets)
-    return replace(best, **history)
+    return _after(current, min(options, key=lambda p: (p.peak_bytes, p.latency_s)), kind, targets)
 
 
 def _with_shared_copies(point: FrontPoint, originals: frozenset[str], model: CostModel, deadline: float) -> FrontPoint:
