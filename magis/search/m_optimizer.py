@@ -343,7 +343,6 @@ class _Search:
             time_budget=budget,
             latency_limit_s=self.objective.latency_s,
             peak_limit_bytes=self.objective.memory_bytes,
-            prefixes=False,  # fission fills the front between the greedy's rounds
         )
         points = front.points[1:]  # the first is the separable step itself
         if not points:

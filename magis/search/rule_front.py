@@ -131,7 +131,6 @@ class _Batching:
 
     independent: Callable[[Any, Any], bool]
     together: Callable[[Graph, Timeline, list[Any]], Rewrite | None]
-    prefixes: bool = True  # simulate a batch's prefixes too (points on the front)
 
 
 @dataclass(frozen=True)
@@ -156,13 +155,11 @@ def recompute_front(
     progress: bool = False,
     peak_limit_bytes: int | None = None,
     batching: bool = True,
-    prefixes: bool = True,
 ) -> RuleFront:
     """The front of recompute-only plans of ``graph`` (module docstring), from ``order``
     (default: its memory-optimal order). ``heavy`` lets matrix products and convolutions
     be recomputed too (the ranking still prefers cheap operators: they cost less per byte).
-    Without ``batching`` each round recomputes one tensor (no step 6); without ``prefixes``
-    a batch's prefixes are not simulated (for a caller that only wants to get low fast).
+    Without ``batching`` each round recomputes one tensor (no step 6).
     With ``peak_limit_bytes`` the greedy stops at the first point that peaks no higher
     (``"peak limit"``): further rounds would only add time."""
     model = RewriteFamilyCostModel(model)
@@ -179,7 +176,7 @@ def recompute_front(
         ]
 
     limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes)
-    together = _Batching(independent, rematerialized_together, prefixes) if batching else None
+    together = _Batching(independent, rematerialized_together) if batching else None
     return _greedy(graph, model, order, propose, "recomputed", limits, progress, together)
 
 
@@ -271,8 +268,7 @@ def _greedy(
                 wide = _batch(current, step, batching, batch, model) if batch > 1 else None
                 if wide is not None:
                     taken, rewrite = wide
-                    if batching.prefixes:
-                        passed += _prefixes(current, step, taken, batching, kind, model)
+                    passed += _prefixes(current, step, taken, batching, kind, model)
                 batch = min(2 * batch, MAX_BATCH) if wide is not None or batch == 1 else max(2, batch // 2)
             targets = tuple(c.target for c in taken)
             current = _applied(current, rewrite, targets, kind, model)
