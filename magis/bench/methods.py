@@ -208,8 +208,9 @@ class Subject:
                 objective = Objective(mode, memory_bytes=int(limit * peak))
             else:
                 objective = Objective(mode, latency_s=limit * latency)
-            model = self.search_model
-            result = m_optimize(self.graph, objective, model, OPTIMIZE_SECONDS, OPTIMIZE_STATES, progress=False)
+            result = m_optimize(
+                self.graph, objective, self.search_model, OPTIMIZE_SECONDS, OPTIMIZE_STATES, progress=False
+            )
             self._searches[mode, limit] = result
         return self._searches[mode, limit]
 
