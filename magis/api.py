@@ -135,7 +135,10 @@ def optimize(
     captured step's simulated latency. Neither: latency-limit mode at 1.10. Both:
     memory-limit mode, and the plan must meet the latency limit too.
 
-    ``device`` names the latency cost model as in :func:`profile`. The search stops at
+    ``device`` names the latency cost model as in :func:`profile`; on a device profiled
+    here (``"cpu"``, ``"cuda"``) the captured step is timed and the operators of the
+    graphs the search makes that were never timed are estimated from their kin
+    (:class:`~magis.cost.latency.ProfiledCostModel`). The search stops at
     ``time_budget`` seconds or after ``max_states`` states (the bound that keeps it
     deterministic: same inputs, seed and limits give the same plan); it runs with
     torch's generator seeded with ``seed`` and leaves the caller's generator as it
@@ -149,7 +152,7 @@ def optimize(
     memory_bytes = None if memory_limit is None else _memory_limit(memory_limit)  # bad options fail before capture
     fake = is_fake(model)
     device = device or ("h200" if fake else _local_device(model))
-    latency_model = cost_model(device)
+    latency_model = cost_model(device, estimate_unseen=True)  # the captured step is timed, the rest estimated
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         graph = capture(model, example_inputs, loss_fn)

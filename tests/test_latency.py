@@ -25,10 +25,12 @@ from magis.cost.latency import (
     node_gemms,
 )
 from magis.cost.profiler import (
+    KinTimes,
     default_cache_path,
     in_step_key,
     lookup_steps,
     measurable,
+    node_key,
     op_key,
     random_tensor,
     replay_strides,
@@ -318,6 +320,44 @@ def test_a_step_that_cannot_run_in_place_is_timed_operator_by_operator(
     getitem = order_of(conv_linear).index(next(n.name for n in conv_linear.nodes if n.op_name == "getitem"))
     costs = model.runtime_costs
     assert timeline.per_node_s[getitem] == pytest.approx(costs.getitem_s + costs.instruction_s)
+
+
+def test_kin_times_scale_the_nearest_kin_by_the_roofline() -> None:
+    kin = KinTimes()
+    kin.add("aten.mm(T(float32[8, 16]),T(float32[16, 4]))", analytic_s=1.0, seconds=2.0)
+    kin.add("aten.mm(T(float32[8, 16]),T(float32[16, 32]))", analytic_s=5.0, seconds=8.0)
+    # one integer differs from the first, two from the second: the first is the kin
+    assert kin.estimate("aten.mm(T(float32[4, 16]),T(float32[16, 4]))", analytic_s=0.5) == pytest.approx(1.0)
+    assert kin.estimate("aten.mm(T(float32[8, 16]),T(float32[16, 32]))", analytic_s=5.0) == 8.0  # itself
+    # no operator of that form: the analytic time at the median measured/analytic ratio (2.0, 1.6)
+    assert kin.estimate("aten.relu(T(float32[8, 16]))", analytic_s=3.0) == pytest.approx(3.0 * 1.8)
+    kin.add("aten.relu(T(float32[8, 8]))", analytic_s=1.0, seconds=4.0)  # a kin now: the estimate follows
+    assert kin.estimate("aten.relu(T(float32[8, 16]))", analytic_s=3.0) == pytest.approx(12.0)
+
+
+def test_an_estimating_model_prices_another_batch_from_its_kin_without_timing(tmp_path: Path) -> None:
+    """The step at batch 4 after the step at batch 2: each operator estimated from its own
+    application at batch 2, scaled by the roofline; nothing timed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 5))
+    half, whole = (capture(model, (torch.randn(b, 3, 8, 8),), lambda out: out.sum()) for b in (2, 4))
+    estimating = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2, estimate_unseen=True)
+    first = dict(zip(order_of(half), estimate_latency(half, order_of(half), estimating).per_node_s))
+    timed = estimating.measurements
+    assert timed > 0 and estimating.estimated == 0  # the first graph is always timed
+    second = dict(zip(order_of(whole), estimate_latency(whole, order_of(whole), estimating).per_node_s))
+    assert estimating.measurements == timed and estimating.estimated > 0
+    conv = next(n.name for n in whole.nodes if n.op_name == "aten.convolution.default")
+    roofline = estimating.fallback
+    assert second[conv] == pytest.approx(
+        first[conv] * roofline.node_seconds(whole, conv) / roofline.node_seconds(half, conv)
+    )
+    strides = replay_strides(whole)
+    keys = {n.name: op_key(whole, n.name, strides) for n in whole.nodes if measurable(n)}
+    assert node_key(whole, conv, keys) == keys[conv]
+    measuring = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2)
+    estimate_latency(whole, order_of(whole), measuring)
+    assert measuring.measurements > 0  # without estimate_unseen the new batch is timed
 
 
 def test_identical_operators_are_measured_once(tmp_path: Path) -> None:

@@ -217,8 +217,9 @@ class Subject:
     @cached_property
     def search_model(self) -> CostModel:
         """What the M-Optimizer's searches price on: the h200 profile at paper size (fake
-        tensors), this machine's CPU otherwise."""
-        return cost_model("h200" if self.preset == "paper" else "cpu")
+        tensors), this machine's CPU otherwise, estimating what the captured step does not
+        hold as :func:`magis.optimize` does."""
+        return cost_model("h200" if self.preset == "paper" else "cpu", estimate_unseen=True)
 
     @cached_property
     def captured_simulated(self) -> tuple[int, float]:

@@ -39,6 +39,7 @@ from magis.cost.device_profiles import DEVICE_PROFILES, DeviceProfile
 from magis.cost.kernel_model import Gemm, gemm_seconds, kernel_seconds, stream_seconds
 from magis.cost.memory import peak_memory
 from magis.cost.profiler import (
+    KinTimes,
     LatencyCache,
     NodeStrides,
     RuntimeCosts,
@@ -52,6 +53,7 @@ from magis.cost.profiler import (
     measure_in_step,
     measure_nodes,
     measure_runtime_costs,
+    node_key,
     op_key,
     replay_strides,
     step_context,
@@ -305,10 +307,25 @@ class ProfiledCostModel:
     operator that cannot be run (an abstract target, or one that fails) is priced by
     an :class:`AnalyticCostModel` over a crude roofline of this device, itself
     measured once and cached.
+
+    With ``estimate_unseen``, a graph holding operators never timed is priced without
+    timing anything once this instance has priced one graph: each such operator is
+    estimated from its kin (:class:`~magis.cost.profiler.KinTimes`: the same operator
+    on other shapes in a graph priced before, its time scaled by the roofline). This is
+    what a search with a time budget wants on a CPU, where timing a graph runs the
+    whole step ten times: the parts of a fissioned step differ from the captured step
+    only in their batch dimension, and cost a few microseconds to price instead of
+    seconds (:attr:`estimated` counts the operators priced so). The first graph (the
+    captured step) is always timed.
     """
 
     def __init__(
-        self, device: str = "cpu", cache_path: Path | None = None, repeats: int = 5, progress: bool = True
+        self,
+        device: str = "cpu",
+        cache_path: Path | None = None,
+        repeats: int = 5,
+        progress: bool = True,
+        estimate_unseen: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
@@ -321,8 +338,13 @@ class ProfiledCostModel:
         #: fastest sample counts, since the mean of an instruction's samples is the figure here
         self.in_step_runs = 2 * repeats
         self.progress = progress
+        self.estimate_unseen = estimate_unseen
+        #: the node times of every graph this instance measured (or read from the cache)
+        self.kin = KinTimes()
         #: operators this instance timed (not counting the roofline benchmark).
         self.measurements = 0
+        #: operators this instance estimated from their kin instead of timing them
+        self.estimated = 0
         self._graph_seconds: WeakKeyDictionary[Graph, dict[str, float]] = WeakKeyDictionary()
         self._fallback: AnalyticCostModel | None = None
 
@@ -367,21 +389,39 @@ class ProfiledCostModel:
                 key = None if node.is_input else in_step_key(graph, node.name, keys, context)
                 if key is not None:
                     step_keys[node.name] = key
+        unseen = {
+            name
+            for name in keys.keys() | step_keys.keys()
+            if step_keys.get(name) not in self.cache.in_step and keys.get(name) not in self.cache.ops
+        }
+        estimating = bool(unseen) and self.estimate_unseen and bool(self.kin)
+        if not estimating:
             self._measure_in_step(graph, step_keys, strides)
         in_step = {name: self.cache.in_step[key] for name, key in step_keys.items() if key in self.cache.in_step}
-        self._measure(graph, {name: key for name, key in keys.items() if name not in in_step}, strides)
+        if not estimating:
+            self._measure(graph, {name: key for name, key in keys.items() if name not in in_step}, strides)
         runtime = self.runtime_costs
         inputs = sum(1 for node in graph.nodes if node.is_input)
         seconds = {}
         for node in graph.nodes:
             if node.is_input:
                 seconds[node.name] = binding_seconds(graph, runtime) / inputs
+            elif estimating and node.name in unseen:
+                kin_key = node_key(graph, node.name, keys)
+                assert kin_key is not None  # every unseen node has a key
+                seconds[node.name] = self.kin.estimate(kin_key, self.fallback.node_seconds(graph, node.name))
+                self.estimated += 1
             elif node.name in in_step and _delegated_seconds(node, self) is None:
                 seconds[node.name] = in_step[node.name]  # the loop around it included
             elif node.target is operator.getitem:
                 seconds[node.name] = runtime.getitem_s + runtime.instruction_s
             else:
                 seconds[node.name] = self._seconds(graph, node, keys.get(node.name)) + runtime.instruction_s
+        if self.estimate_unseen and not estimating:  # only measured times are kin, never estimates
+            for name in keys.keys() | step_keys.keys():
+                kin_key = node_key(graph, name, keys)
+                if kin_key is not None:
+                    self.kin.add(kin_key, self.fallback.node_seconds(graph, name), seconds[name])
         return seconds
 
     def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
@@ -485,16 +525,19 @@ def has_device_memory(model: CostModel) -> bool:
     return isinstance(model, AnalyticCostModel) and model.profile.sm_count > 0
 
 
-def cost_model(device: str | None = None) -> CostModel:
+def cost_model(device: str | None = None, estimate_unseen: bool = False) -> CostModel:
     """The cost model for ``device``: ``"cpu"``/``"cuda"`` are profiled on this machine,
     a :data:`DEVICE_PROFILES` name (``"h200"``, ``"a100"``...) is analytic; ``None`` is ``"cpu"``.
+    ``estimate_unseen``: a profiled model prices operators it has not timed from their kin
+    once it has timed a graph (:class:`ProfiledCostModel`; what a search with a time budget
+    wants).
 
     An analytic model uses TF32 for fp32 matmuls and convolutions as this process's
     PyTorch settings say (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``).
     """
     name = (device or "cpu").lower()
     if name in ("cpu", "cuda"):
-        return ProfiledCostModel(name)
+        return ProfiledCostModel(name, estimate_unseen=estimate_unseen)
     if name in DEVICE_PROFILES:
         return AnalyticCostModel(
             DEVICE_PROFILES[name],

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -33,7 +34,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -233,15 +234,81 @@ def step_context(signature: Signature) -> str:
     return hashlib.sha1(names.encode()).hexdigest()[:12]
 
 
-def in_step_key(graph: Graph, name: str, keys: Mapping[str, str], context: str) -> str | None:
-    """The key of a node's time in its step: its op key (``keys``), or for a ``getitem``
-    the element it picks of an operator with an op key, inside the model ``context``
-    (:func:`step_context`); ``None`` for anything else."""
+def node_key(graph: Graph, name: str, keys: Mapping[str, str]) -> str | None:
+    """A node's key in any step: its op key (``keys``), or for a ``getitem`` the element
+    it picks of an operator with an op key; ``None`` for anything else."""
     node = graph[name]
     if node.target is operator.getitem and node.inputs and node.inputs[0] in keys:
-        return f"{context}: getitem{list(node.args[1:])!r} of {keys[node.inputs[0]]}"
-    key = keys.get(name)
+        return f"getitem{list(node.args[1:])!r} of {keys[node.inputs[0]]}"
+    return keys.get(name)
+
+
+def in_step_key(graph: Graph, name: str, keys: Mapping[str, str], context: str) -> str | None:
+    """The key of a node's time in its step: :func:`node_key` inside the model ``context``
+    (:func:`step_context`)."""
+    key = node_key(graph, name, keys)
     return None if key is None else f"{context}: {key}"
+
+
+_INTEGER = re.compile(r"\d+")
+
+
+@dataclass
+class KinTimes:
+    """Node times of the graphs a cost model priced, to estimate operators never timed
+    from their kin: the same operator on other shapes.
+
+    Two node keys (:func:`node_key`) are kin when they differ only in their integers
+    (shapes, sizes, constant arguments). The nearest kin differs in the fewest of them
+    (one part of a fissioned step differs from the whole step in its batch dimension
+    alone), ties broken by the closest analytic time; its measured time is scaled by
+    the ratio of the two operators' analytic times (the roofline of this device). An
+    operator without kin gets its analytic time scaled by the median ratio of measured
+    to analytic time over everything seen. Measuring a graph on a CPU runs the whole step
+    ten times, seconds per graph; an estimate takes microseconds, which is what lets a
+    search with a time budget try fissioned graphs at all (:class:`magis.cost.latency.ProfiledCostModel`).
+    """
+
+    #: key skeleton (integers replaced) -> {integers of the key: (analytic s, measured s)}
+    by_skeleton: dict[str, dict[tuple[int, ...], tuple[float, float]]] = field(default_factory=dict)
+    #: measured / analytic time of each operator seen with a positive analytic time
+    ratios: list[float] = field(default_factory=list)
+    #: estimates made, by key (a graph and its variants share most keys)
+    estimates: dict[str, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.by_skeleton)
+
+    def add(self, key: str, analytic_s: float, seconds: float) -> None:
+        """Remember that the operator of ``key`` took ``seconds`` (its analytic time ``analytic_s``)."""
+        known = self.by_skeleton.setdefault(_INTEGER.sub("#", key), {})
+        integers = tuple(int(i) for i in _INTEGER.findall(key))
+        if integers not in known:
+            known[integers] = (analytic_s, seconds)
+            if analytic_s > 0:
+                self.ratios.append(seconds / analytic_s)
+            self.estimates.clear()  # an estimate may have a nearer kin now
+
+    def estimate(self, key: str, analytic_s: float) -> float:
+        """Seconds the operator of ``key`` likely takes (class docstring)."""
+        if key in self.estimates:
+            return self.estimates[key]
+        integers = tuple(int(i) for i in _INTEGER.findall(key))
+        kin = self.by_skeleton.get(_INTEGER.sub("#", key), {})
+
+        def distance(other: tuple[int, ...]) -> tuple[int, float]:
+            differing = sum(a != b for a, b in zip(integers, other))
+            kin_analytic = kin[other][0]
+            closeness = abs(math.log(analytic_s / kin_analytic)) if analytic_s > 0 and kin_analytic > 0 else 0.0
+            return differing, closeness
+
+        if kin:
+            kin_analytic, kin_seconds = kin[min(kin, key=distance)]
+            seconds = kin_seconds * (analytic_s / kin_analytic if analytic_s > 0 and kin_analytic > 0 else 1.0)
+        else:
+            seconds = analytic_s * (statistics.median(self.ratios) if self.ratios else 1.0)
+        self.estimates[key] = seconds
+        return seconds
 
 
 # ----------------------------------------------------------------- how to run
