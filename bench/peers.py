@@ -21,7 +21,8 @@ Checkmate's programs were solved (status, gap, seconds, per budget).
                           [--repeats 5] [--device h200]
 
 The summary reads every ``<workload>-<preset>.json`` in ``--out``, so the presets
-can be run by separate invocations.
+can be run by separate invocations (``--models ""`` only prints the summary); the
+comparisons ``bench/optimize.py`` writes have the same form, their peers' rows read alike.
 
 Progress lines go to stderr; the summary table to stdout.
 """
@@ -123,8 +124,8 @@ def _solves(comparison: Comparison) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    models = args.models.split(",")
-    presets = args.presets.split(",")
+    models = [m for m in args.models.split(",") if m]
+    presets = [p for p in args.presets.split(",") if p]
     unknown = [m for m in models if m not in WORKLOADS] + [p for p in presets if p not in PRESETS]
     if unknown:
         print(

@@ -17,10 +17,16 @@ median error: on a virtual machine, the neighbours can slow the core by 10-50% f
 seconds at a time, which no profile taken before can predict; each round's figures
 stay in the JSON. Writes JSON (one report per preset) and a PNG bar chart per preset next to it.
 
+With ``--fissions`` each workload also reports the step made separable and each of its
+F-Tree roots fissioned at every n (the first plans the M-Optimizer makes): its latency
+as a search estimates it (``estimate_unseen``: operators never timed priced from their
+kin), as the step timed in place prices it, and measured, each as a ratio to the
+captured step's (``fissions`` in each workload's row).
+
     python bench/sim_fidelity.py [--out results/sim_fidelity.json] [--presets tiny,small]
                                  [--models bert-base,unet] [--device cpu] [--threads 1]
                                  [--runs 20] [--min-seconds 2] [--rounds 1]
-                                 [--cache PATH]
+                                 [--cache PATH] [--fissions]
 
 The progress bar of the profiler goes to stderr; one line per workload to stdout.
 """
@@ -42,7 +48,10 @@ from magis.backend.runtime import lower, run_program
 from magis.bench.protocol import keep_freed_memory
 from magis.cost.latency import ProfiledCostModel, estimate_latency
 from magis.frontend.capture import CaptureError, capture
+from magis.ir.graph import Graph
 from magis.models import WORKLOADS, Built
+from magis.rules.ftree_mutation import apply_ftree
+from magis.search.single_fission import fission_numbers, separable_step
 
 
 def to_device(built: Built, device: torch.device) -> Built:
@@ -77,8 +86,41 @@ def measure_step(
     return statistics.median(wall), statistics.median(cpu)
 
 
-def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int, min_seconds: float) -> dict[str, Any]:
-    """Simulated and measured step latency of one workload."""
+def measure_fissions(
+    built: Built, graph: Graph, order: list[str], model: ProfiledCostModel, runs: int, min_seconds: float
+) -> list[dict[str, Any]]:
+    """The separable step and each F-Tree root at every fission number: latency estimated
+    from the kin of the captured step's operators, timed in place, and measured."""
+    estimating = ProfiledCostModel(str(model.device), cache_path=model.cache.path, estimate_unseen=True, progress=False)
+    estimate_latency(graph, order, estimating)  # the captured step, from the cache: the kin
+    step = separable_step(graph, order)
+    variants = [("separable", 1, step.graph, list(step.order))]
+    for i, candidate in enumerate(step.tree.candidates):
+        if candidate.parent is None:
+            for n in fission_numbers(candidate.length):
+                applied = apply_ftree(step.graph, step.tree.with_parts({i: n}), step.order)
+                variants.append((candidate.label, n, applied.graph, list(applied.order)))
+    rows = []
+    for label, n, variant, variant_order in variants:
+        estimated = estimate_latency(variant, variant_order, estimating).total_s
+        timed = estimate_latency(variant, variant_order, model).total_s
+        measured, measured_cpu = measure_step(built, variant, variant_order, model.device, runs, min_seconds)
+        rows.append(
+            {"fission": label, "n": n, "estimated_s": estimated, "timed_s": timed, "measured_s": measured}
+            | {"measured_cpu_s": measured_cpu}
+        )
+        print(
+            f"    {label} n={n}: estimated {estimated:.3f} s, timed in place {timed:.3f} s, "
+            f"measured {measured:.3f} s (CPU time {measured_cpu:.3f} s)",
+            flush=True,
+        )
+    return rows
+
+
+def measure_workload(
+    name: str, preset: str, model: ProfiledCostModel, runs: int, min_seconds: float, fissions: bool = False
+) -> dict[str, Any]:
+    """Simulated and measured step latency of one workload (and of its first fissions)."""
     built = to_device(WORKLOADS[name].build(preset), model.device)
     graph = capture(built.model, built.example_inputs, built.loss_fn)
     order = [n.name for n in graph.nodes]
@@ -87,7 +129,19 @@ def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int
     simulated = estimate_latency(graph, order, model).total_s
     profile_s = time.perf_counter() - start
     measured, measured_cpu = measure_step(built, graph, order, model.device, runs, min_seconds)
-    return {
+    extra = {}
+    if fissions:
+        extra["fissions"] = [
+            row
+            | {
+                "estimated_ratio": row["estimated_s"] / simulated,
+                "timed_ratio": row["timed_s"] / simulated,
+                "measured_ratio": row["measured_s"] / measured,
+                "measured_cpu_ratio": row["measured_cpu_s"] / measured_cpu,
+            }
+            for row in measure_fissions(built, graph, order, model, runs, min_seconds)
+        ]
+    return extra | {
         "model": name,
         "nodes": len(graph),
         "simulated_s": simulated,
@@ -101,13 +155,13 @@ def measure_workload(name: str, preset: str, model: ProfiledCostModel, runs: int
 
 
 def measure_all(
-    names: list[str], preset: str, model: ProfiledCostModel, runs: int, min_seconds: float
+    names: list[str], preset: str, model: ProfiledCostModel, runs: int, min_seconds: float, fissions: bool = False
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """One row per workload that could be captured, and the reason for each that could not."""
     rows, failures = [], {}
     for i, name in enumerate(names, start=1):
         try:
-            row = measure_workload(name, preset, model, runs, min_seconds)
+            row = measure_workload(name, preset, model, runs, min_seconds, fissions)
         except CaptureError as err:
             failures[name] = str(err)
             print(f"[{i}/{len(names)}] {name}: skipped, {err}", flush=True)
@@ -205,6 +259,11 @@ def main() -> None:
         help="latency cache file to use and keep (default: a fresh one, so each workload is profiled right "
         "before its step is timed, under the same load)",
     )
+    parser.add_argument(
+        "--fissions",
+        action="store_true",
+        help="also the separable step and its F-Tree roots at every n: estimated from kin, timed in place, measured",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -225,7 +284,7 @@ def main() -> None:
                 print(f"preset {preset}, round {round_}/{args.rounds}", flush=True)
                 cache = args.cache or Path(scratch) / f"latency-{preset}-{round_}.json"
                 model = ProfiledCostModel(args.device, cache_path=cache)
-                rows, failures = measure_all(names, preset, model, args.runs, args.min_seconds)
+                rows, failures = measure_all(names, preset, model, args.runs, args.min_seconds, args.fissions)
                 for row in rows:
                     by_workload.setdefault(row["model"], []).append(row)
             if by_workload:

@@ -14,7 +14,7 @@ from magis.cli import main
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.schedule import schedule
-from magis.search.rule_front import FrontPoint, recompute_front, swap_front
+from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
 
 H200 = cost_model("h200")
 
@@ -76,6 +76,36 @@ def test_recompute_front_stops_at_its_limits():
     reached = recompute_front(graph, H200, peak_limit_bytes=target)
     assert reached.stopped_by == "peak limit"
     assert reached.visited[-1].peak_bytes <= target < reached.visited[-2].peak_bytes  # the first point within it
+
+
+def test_a_limit_inside_a_batch_finds_the_prefix_at_the_limit():
+    """A round that takes eight layers at once jumps over the plans of 5, 6 and 7 of them
+    (its power-of-two prefixes give 1, 2 and 4). A latency limit inside that jump gets the
+    longest prefix within it, a peak limit the shortest: the plan one layer at a time
+    would give there, better than any the unlimited greedy's front holds."""
+    graph = mlp_step(blocks=16).graph
+    free = recompute_front(graph, H200)
+    jump = next(
+        (a, b)
+        for a, b in itertools.pairwise(free.visited)
+        if len(b.recomputed) - len(a.recomputed) >= 8 and len(a.recomputed) > 0
+    )
+    known = pareto([*free.visited, *free.passed])
+    latency_limit = jump[1].latency_s - 1e-9
+    near = recompute_front(graph, H200, latency_limit_s=latency_limit)
+    within = [p for p in near.points if p.latency_s <= latency_limit]
+    best_known = min(p.peak_bytes for p in known if p.latency_s <= latency_limit)
+    assert min(p.peak_bytes for p in within) < best_known
+    assert_monotone(near.points)
+    at_limit = min(within, key=lambda p: p.peak_bytes)
+    assert len(at_limit.recomputed) == len(jump[1].recomputed) - 1  # each layer adds latency: all but one fit
+
+    four = next(p for p in free.passed if len(p.recomputed) == len(jump[0].recomputed) + 4)
+    peak_limit = four.peak_bytes - 1  # just below the batch's prefix of four layers
+    reached = recompute_front(graph, H200, peak_limit_bytes=peak_limit)
+    fitting = [p for p in reached.points if p.peak_bytes <= peak_limit]
+    assert min(p.latency_s for p in fitting) < min(p.latency_s for p in known if p.peak_bytes <= peak_limit)
+    assert min(len(p.recomputed) for p in fitting) == len(four.recomputed) + 1  # one more layer is enough
 
 
 def test_swap_front_swaps_and_refuses_a_cpu():

@@ -32,7 +32,9 @@ its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats o
    a model of many layers takes many of them at once. A batch jumps over the points its
    first candidates alone would give; its prefixes of 1, 2, 4, … candidates are
    simulated too (in the rule's own order) and join the front as points passed on the
-   way, so that a limit between two rounds still finds a plan close to it.
+   way, so that a limit between two rounds still finds a plan close to it. Where the
+   batch crosses the greedy's latency (peak) limit, the longest (shortest) prefix on
+   the limit's good side is found by bisection and joins them.
 
 Every round's state is a point; the greedy stops when no proposal makes progress, or
 at the time budget, the round limit, or once a point is slower than a latency limit.
@@ -143,6 +145,14 @@ class _Limits:
     peak_bytes: int | None = None  # stop once a point peaks at most this (``None``: no limit)
 
 
+@dataclass(frozen=True)
+class _Limit:
+    """One limit a round crossed: ``"latency"`` (seconds) or ``"peak"`` (bytes)."""
+
+    kind: str
+    value: float
+
+
 def recompute_front(
     graph: Graph,
     model: CostModel,
@@ -188,10 +198,12 @@ def swap_front(
     max_rounds: int | None = None,
     latency_limit_s: float | None = None,
     progress: bool = False,
+    peak_limit_bytes: int | None = None,
 ) -> RuleFront:
     """The front of swap-only plans of ``graph`` (module docstring), Loads placed to hide
     their transfers. Raises ValueError where ``model`` prices a device without memory of
-    its own (:func:`require_device_memory`)."""
+    its own (:func:`require_device_memory`). ``peak_limit_bytes`` as for
+    :func:`recompute_front`."""
     require_device_memory(model)
     model = RewriteFamilyCostModel(model)
 
@@ -201,7 +213,7 @@ def swap_front(
             for p in swap_proposals(current, timeline)
         ]
 
-    limits = _Limits(time_budget, max_rounds, latency_limit_s)
+    limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes)
     return _greedy(graph, model, order, propose, "swapped", limits, progress)
 
 
@@ -271,13 +283,27 @@ def _greedy(
                     passed += _prefixes(current, step, taken, batching, kind, model)
                 batch = min(2 * batch, MAX_BATCH) if wide is not None or batch == 1 else max(2, batch // 2)
             targets = tuple(c.target for c in taken)
-            current = _applied(current, rewrite, targets, kind, model)
+            before, current = current, _applied(current, rewrite, targets, kind, model)
             current = _with_shared_copies(current, originals, model, deadline)
+            crossed = _crossed(before, current, limits)
+            if batching is not None and len(taken) > 1 and crossed is not None:
+                at_limit = _limit_prefix(before, step, taken, batching, kind, model, crossed)
+                passed += [at_limit] if at_limit is not None else []
             visited.append(current)
             bar.update()
             bar.set_postfix_str(f"peak {current.peak_bytes / 2**20:.1f} MiB, {current.latency_s * 1e3:.3f} ms")
     seconds = time.perf_counter() - start
     return RuleFront(pareto([*visited, *passed]), tuple(visited), stopped_by, seconds, tuple(passed))
+
+
+def _crossed(before: FrontPoint, after: FrontPoint, limits: _Limits) -> _Limit | None:
+    """The limit a round crossed, going from within a latency limit to past it, or from
+    above a peak limit to within it (the round the greedy stops after); ``None`` if neither."""
+    if limits.latency_s is not None and before.latency_s <= limits.latency_s < after.latency_s:
+        return _Limit("latency", limits.latency_s)
+    if limits.peak_bytes is not None and before.peak_bytes > limits.peak_bytes >= after.peak_bytes:
+        return _Limit("peak", limits.peak_bytes)
+    return None
 
 
 @dataclass(frozen=True)
@@ -344,14 +370,64 @@ def _prefixes(
     """The points of the first 1, 2, 4, … of a batch's candidates ``taken`` (fewer than all),
     each in its rewrite's own order: what the front would hold had the batch grown more
     slowly (step 6 of the module docstring)."""
-    points = []
-    for size in (2**i for i in range((len(taken) - 1).bit_length())):
-        proposals = [c.proposal for c in taken[:size]]
-        rewrite = step.rewrite if size == 1 else batching.together(current.graph, step.timeline, proposals)
-        if rewrite is not None:
-            point = _point(rewrite.graph, rewrite.order, model, rewrite.memory)
-            points.append(_after(current, point, kind, [c.target for c in taken[:size]]))
-    return points
+    points = (
+        _prefix(current, step, taken, size, batching, kind, model)
+        for size in (2**i for i in range((len(taken) - 1).bit_length()))
+    )
+    return [point for point in points if point is not None]
+
+
+def _limit_prefix(
+    current: FrontPoint,
+    step: _Step,
+    taken: list[_Candidate],
+    batching: _Batching,
+    kind: str,
+    model: CostModel,
+    limit: _Limit,
+) -> FrontPoint | None:
+    """Where a batch crosses a limit (step 6 of the module docstring), its prefix closest
+    to that limit on the right side, found by bisection over the prefix's size: the
+    longest one within a latency limit, or the shortest one within a peak limit. A
+    limit that falls inside a batch's jump would otherwise leave the plan at the last
+    power-of-two prefix, up to half a batch of layers short of it."""
+
+    def within(point: FrontPoint) -> bool:
+        return (point.latency_s if limit.kind == "latency" else point.peak_bytes) <= limit.value
+
+    # invariant: ``low`` candidates are on the current side of the limit, ``high`` past it
+    low, high, best = 0, len(taken), None
+    while high - low > 1:
+        size = (low + high) // 2
+        point = _prefix(current, step, taken, size, batching, kind, model)
+        if point is None:
+            return best
+        inside = within(point)
+        if inside == (limit.kind == "latency"):  # within a latency limit: a longer prefix may fit too
+            low = size
+        else:
+            high = size
+        if inside:
+            best = point
+    return best
+
+
+def _prefix(
+    current: FrontPoint,
+    step: _Step,
+    taken: list[_Candidate],
+    size: int,
+    batching: _Batching,
+    kind: str,
+    model: CostModel,
+) -> FrontPoint | None:
+    """The point of a batch's first ``size`` candidates, in its rewrite's own order."""
+    proposals = [c.proposal for c in taken[:size]]
+    rewrite = step.rewrite if size == 1 else batching.together(current.graph, step.timeline, proposals)
+    if rewrite is None:
+        return None
+    point = _point(rewrite.graph, rewrite.order, model, rewrite.memory)
+    return _after(current, point, kind, [c.target for c in taken[:size]])
 
 
 def _after(current: FrontPoint, point: FrontPoint, kind: str, targets: Sequence[str]) -> FrontPoint:
