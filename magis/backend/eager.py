@@ -81,6 +81,13 @@ class GradientMismatch(ValueError):
     """Two steps produced gradients for different parameters (the message names them)."""
 
 
+#: largest relative gradient difference to a reference that still counts as equal, per dtype:
+#: in float64 a tensor near the noise floor of compare_gradients reads round-off as up to
+#: ~1e-7; in float32 summation orders differ by up to 5e-4 (diffusers' VAE, ViT's gradients
+#: summed over two micro-batches)
+GRADIENT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+
+
 @dataclass(frozen=True)
 class GradientComparison:
     """How one step's gradients differ from a reference step's.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from magis.backend.eager import compare_gradients
+from magis.backend.eager import GRADIENT_TOLERANCE, compare_gradients
 from magis.backend.meter import resident_tensors
 from magis.bench import protocol
 from magis.bench.methods import (
@@ -35,8 +35,6 @@ from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.models import get_workload
 
-#: largest relative gradient difference from eager PyTorch a measured method may show
-GRADIENT_TOLERANCE = 1e-4
 #: latency overhead under which :func:`best_within` looks for the lowest peak
 OVERHEAD = 0.10
 
@@ -210,11 +208,11 @@ def _measure_all(
         reference = gradients if reference is None else reference
         versus_eager, notes[variant] = compare_gradients(reference, gradients), runnable.gradient_note
         errors[variant] = versus_eager.max_error
-        if not versus_eager.same_names or (versus_eager.max_error > GRADIENT_TOLERANCE and notes[variant] is None):
+        tolerance = GRADIENT_TOLERANCE.get(result.loss.dtype, 0.0)
+        if not versus_eager.same_names or (versus_eager.max_error > tolerance and notes[variant] is None):
             raise RuntimeError(
                 f"{variant.name} does not compute eager's gradients on {subject.workload}: {versus_eager.describe()}"
             )
-        errors[variant] = versus_eager.max_error
         steps[variant], peaks[variant] = runnable.step, peak
         agreement = "match eager" if notes[variant] is None else f"differ from eager's ({notes[variant]})"
         say(

@@ -33,14 +33,11 @@ import torch
 from torch import nn
 
 from magis.api import measure_against_eager
+from magis.backend.eager import GRADIENT_TOLERANCE
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import CaptureError, capture
 from magis.models.workloads import HFTask, transformers_module
 
-#: largest relative gradient difference to eager's that still counts as equal, per dtype: in
-#: float64 a tensor near the noise floor of compare_gradients reads round-off as up to ~1e-7;
-#: in float32 kernels' summation orders differ by up to 5e-4 (diffusers' VAE)
-GRADIENT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 #: largest relative difference of simulated to measured peak that counts as equal
 PEAK_TOLERANCE = 0.02
 #: a small configuration above this many parameters is not small: not built
