@@ -354,3 +354,19 @@ def test_recompute_dive_reaches_the_greedy_front_within_the_latency_limit():
     assert result.best.latency_s <= limit
     assert result.best.peak_bytes <= min(p.peak_bytes for p in within)
     assert result.stats.rules.get("remat", 0) >= 1
+
+
+def test_swap_dive_walks_on_from_the_recompute_front_on_a_device_with_memory():
+    """On a device with memory of its own (h200) the first level's swap greedy walks on from
+    the recompute front: swaps whose transfers hide behind compute lower the plan's peak
+    at a latency limit below what recomputation alone reaches, and the plan says so."""
+    torch.manual_seed(0)
+    graph = capture(GeluStack().double(), (torch.randn(256, 64, dtype=torch.float64),))
+    h200 = cost_model("h200")
+    initial = m_optimize(graph, Objective("latency", latency_s=1e9), h200, rule_names=[], progress=False).initial
+    limit = Objective("latency", latency_s=1.05 * initial.latency_s)
+    remat_only = m_optimize(graph, limit, h200, rule_names=["remat"], time_budget=10, progress=False).best
+    result = m_optimize(graph, limit, h200, rule_names=["remat", "swap"], time_budget=10, progress=False)
+    assert result.best.latency_s <= limit.latency_s
+    assert result.best.peak_bytes < remat_only.peak_bytes
+    assert any(step.rule == "swap" and step.description.endswith("(greedy)") for step in result.best.steps)

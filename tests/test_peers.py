@@ -118,7 +118,7 @@ def test_accumulation_with_compile_at_micro_batch_one_keeps_aliased_gradients_ap
     subject = Subject("vit-base", "tiny")
     assert subject.batch_size == 2
     runs = run_variants(subject, variants(["eager", "accumulate+compile"], [1.0], subject.batch_size))
-    measured, simulated, error, note = runs["accumulate@2+compile@1"]
+    _, _, error, note = runs["accumulate@2+compile@1"]
     assert note is None and error < 1e-5
 
 

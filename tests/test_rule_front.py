@@ -8,11 +8,15 @@ import itertools
 import json
 
 import pytest
+import torch
+from test_optimize import GeluStack
 from test_scheduling_rules import mlp_step
 
+from magis.backend.transfer import Load, Store
 from magis.cli import main
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
+from magis.frontend.capture import capture
 from magis.schedule import schedule
 from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
 
@@ -155,3 +159,17 @@ def test_remat_json_has_the_documented_keys_and_runs_like_eager(rule, capsys, tm
 def test_remat_refuses_what_makes_no_sense(argv, cause, capsys):
     assert main(argv) == 2
     assert cause in capsys.readouterr().err
+
+
+def test_the_swap_greedy_never_swaps_a_tensor_stored_already():
+    """A tensor stored after the peak has its Store among its late readers; swapping it
+    again would wrap the first swap (a Load read by a Store), which no schedule places.
+    On this stack the greedy used to try it in its second round."""
+    torch.manual_seed(0)
+    graph = capture(GeluStack().double(), (torch.randn(256, 64, dtype=torch.float64),))
+    front = swap_front(graph, cost_model("h200"), time_budget=30)
+    assert front.stopped_by == "no progress"
+    for point in front.visited:
+        for node in point.graph.nodes:
+            if isinstance(node.target, Load):
+                assert not any(isinstance(point.graph[r].target, Store) for r in point.graph.successors[node.name])

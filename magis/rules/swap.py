@@ -66,6 +66,8 @@ def swap_proposals(graph: Graph, timeline: Timeline) -> list[SwapProposal]:
         holder = _holder(graph, saved)
         if holder is None or position[holder] >= saved.first_late:
             continue  # no value to store before the first late reader (a getitem taken late)
+        if any(isinstance(graph[reader].target, Store) for reader in saved.late):
+            continue  # stored already, after the peak: another swap would wrap the first one
         saving = net_saving(timeline, saved.freed, {})
         if saving is not None:
             found.append(SwapProposal(saved, holder, saving))
