@@ -349,6 +349,7 @@ class _Search:
                 time_budget=deadline - time.perf_counter(),
                 latency_limit_s=self.objective.latency_s,
                 peak_limit_bytes=self.objective.memory_bytes,
+                at_limits=self.objective.mode == "memory",  # a latency limit's points get fissioned
             )
             recomputed = [p for p in front.points if p.graph is not separable.base]  # the start is no dive
         fits = self.objective.mode == "memory" and any(self.objective.met_by(p) for p in recomputed)

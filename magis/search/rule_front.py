@@ -143,6 +143,7 @@ class _Limits:
     max_rounds: int | None  # ``None``: no limit
     latency_s: float | None  # stop once a point is slower than this (``None``: no limit)
     peak_bytes: int | None = None  # stop once a point peaks at most this (``None``: no limit)
+    at_limits: bool = True  # where a batch crosses a limit, bisect for its prefix at the limit
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,16 @@ def recompute_front(
     progress: bool = False,
     peak_limit_bytes: int | None = None,
     batching: bool = True,
+    at_limits: bool = True,
 ) -> RuleFront:
     """The front of recompute-only plans of ``graph`` (module docstring), from ``order``
     (default: its memory-optimal order). ``heavy`` lets matrix products and convolutions
     be recomputed too (the ranking still prefers cheap operators: they cost less per byte).
     Without ``batching`` each round recomputes one tensor (no step 6).
     With ``peak_limit_bytes`` the greedy stops at the first point that peaks no higher
-    (``"peak limit"``): further rounds would only add time."""
+    (``"peak limit"``): further rounds would only add time. Without ``at_limits`` a batch
+    that crosses a limit adds no bisected prefix at it (step 6): for a caller that will
+    add time to the points (fission), a point right at the latency limit is of no use."""
     model = RewriteFamilyCostModel(model)
 
     def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
@@ -185,7 +189,7 @@ def recompute_front(
             for p in remat_proposals(current, timeline, heavy, max_ops)
         ]
 
-    limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes)
+    limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes, at_limits)
     together = _Batching(independent, rematerialized_together) if batching else None
     return _greedy(graph, model, order, propose, "recomputed", limits, progress, together)
 
@@ -285,7 +289,7 @@ def _greedy(
             targets = tuple(c.target for c in taken)
             before, current = current, _applied(current, rewrite, targets, kind, model)
             current = _with_shared_copies(current, originals, model, deadline)
-            crossed = _crossed(before, current, limits)
+            crossed = _crossed(before, current, limits) if limits.at_limits else None
             if batching is not None and len(taken) > 1 and crossed is not None:
                 at_limit = _limit_prefix(before, step, taken, batching, kind, model, crossed)
                 passed += [at_limit] if at_limit is not None else []
