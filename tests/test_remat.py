@@ -151,10 +151,11 @@ def test_checkmate_groups_finer_where_the_grouped_program_is_infeasible(resnet):
 
 
 def test_checkmate_starts_from_a_plan_that_fits(resnet):
-    """With no time to search, HiGHS still reports the eviction heuristic's plan."""
+    """With no time to search, HiGHS still reports the eviction heuristic's plan. Over 60
+    stages: HiGHS 1.16 solves the program over 30 to optimality within the millisecond."""
     problem = resnet.remat_problem
     budget = resnet.memory_limit(0.7)
-    plan = checkmate_plan(problem, budget, time_limit_s=1e-3, max_stages=30)
+    plan = checkmate_plan(problem, budget, time_limit_s=1e-3, max_stages=60)
     assert plan.status == "time limit"
     assert len(plan.sequence) > len(problem)
     assert simulate_memory(*replay(problem, plan.sequence)).peak <= budget
