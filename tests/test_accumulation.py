@@ -59,3 +59,47 @@ def test_a_batch_the_micro_batches_do_not_divide_is_refused():
     inputs = (torch.zeros(4, 6, dtype=torch.int64), torch.zeros(4, 6, dtype=torch.int64))
     with pytest.raises(ValueError, match="3 micro-batches do not divide the batch of 4"):
         eager_step(model, inputs, micro_batches=3)
+
+
+class _SharedGradient(torch.autograd.Function):
+    """``x @ a + x[:, :m] @ b``, whose backward returns b's gradient in the first rows of a's
+    storage (they are equal), as a compiled backward may: two gradients in one storage, the
+    second no view (autograd would copy a view) but a tensor set on the same memory."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x @ a + x[:, : b.shape[0]] @ b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        grad_a = x.t() @ grad
+        rows, cols = grad_a.shape
+        grad_b = grad_a.new_empty(0).set_(grad_a.untyped_storage(), 0, (rows // 2, cols), (cols, 1))
+        return None, grad_a, grad_b
+
+
+class SharedGradient(nn.Module):
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+        self.a = nn.Parameter(torch.randn(6, 3))
+        self.b = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return _SharedGradient.apply(x, self.a, self.b).square().mean()
+        return (x @ self.a + x[:, :3] @ self.b).square().mean()
+
+
+def test_gradients_returned_in_one_storage_are_accumulated_apart():
+    """Without separating them, the second micro-batch's gradient of ``a`` is added into ``b``'s
+    ``.grad`` too (and the other way round)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    plain, fused = SharedGradient(fused=False).double(), SharedGradient(fused=True).double()
+    fused.load_state_dict(plain.state_dict())
+    reference = eager_step(plain, (x,))
+    accumulated = eager_step(fused, (x,), micro_batches=4)
+    assert max_relative_error(reference.gradients, accumulated.gradients) < 1e-12

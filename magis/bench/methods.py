@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -484,9 +484,8 @@ def _compile_real(subject: Subject, budget: float | None) -> Runnable:
 
     def step(scope: AbstractContextManager) -> StepResult:
         recorder.scope, calls = scope, recorder.calls
-        accumulating = _views_copied(subject.built.model) if subject.micro_batches > 1 else contextlib.nullcontext()
         try:
-            with memory_budget(budget), _room_for_every_variant(), accumulating:
+            with memory_budget(budget), _room_for_every_variant():
                 result = inner.step(contextlib.nullcontext())
         finally:
             recorder.scope = None
@@ -496,29 +495,6 @@ def _compile_real(subject: Subject, budget: float | None) -> Runnable:
         return StepResult(result.loss, grads, {})
 
     return Runnable(step, subject.built, inner.gradient_note)
-
-
-@contextlib.contextmanager
-def _views_copied(model: torch.nn.Module) -> Iterator[None]:
-    """Each parameter's gradient copied before it reaches ``.grad`` where it is a view.
-
-    A compiled backward may return one parameter's gradient as a view of another's
-    (ViT at micro-batch 1: the class token's is a slice of the position embeddings').
-    ``AccumulateGrad`` keeps the first micro-batch's gradient as ``.grad`` itself, so
-    the two ``.grad`` share memory and every later micro-batch adds into both: measured
-    on ViT small, accumulate@4+compile@1 (inductor and aot_eager alike, torch 2.13) read
-    1.97 where eager's gradient is 1.05. A practitioner who checked would copy them; the
-    yardstick does, so the peer it measures computes eager's gradients."""
-    handles = [
-        p.register_hook(lambda grad: grad.clone() if grad._base is not None else grad)
-        for p in model.parameters()
-        if p.requires_grad
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _room_for_every_variant() -> AbstractContextManager:
