@@ -82,6 +82,25 @@ def test_recompute_front_stops_at_its_limits():
     assert reached.visited[-1].peak_bytes <= target < reached.visited[-2].peak_bytes  # the first point within it
 
 
+def test_a_saving_rate_floor_ends_the_greedy_where_its_rounds_free_memory_too_slowly():
+    """For a caller that can swap instead (the M-Optimizer under a memory limit): the greedy
+    stops at the first round whose best candidate frees fewer bytes at the peak per second
+    it adds than the floor, and until then takes the very rounds it takes without one."""
+    graph = mlp_step(blocks=8).graph
+    full = recompute_front(graph, H200)
+    figures = [(p.peak_bytes, p.latency_s) for p in full.visited]
+    nothing = recompute_front(graph, H200, min_saving_rate=float("inf"))
+    assert nothing.stopped_by == "saving rate" and len(nothing.visited) == 1
+    rates = [(a[0] - b[0]) / max(b[1] - a[1], 1e-15) for a, b in itertools.pairwise(figures)]
+    floor = min(rates[: len(rates) // 2]) / 2  # below every early round's rate, above some later one's
+    assert any(rate < floor for rate in rates)
+    floored = recompute_front(graph, H200, min_saving_rate=floor)
+    assert floored.stopped_by == "saving rate"
+    k = len(floored.visited)
+    assert len(rates) // 2 < k < len(figures)
+    assert [(p.peak_bytes, p.latency_s) for p in floored.visited] == figures[:k]
+
+
 def test_a_limit_inside_a_batch_finds_the_prefix_at_the_limit():
     """A round that takes eight layers at once jumps over the plans of 5, 6 and 7 of them
     (its power-of-two prefixes give 1, 2 and 4). A latency limit inside that jump gets the

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from magis.analysis.ftrans import InvalidFission
 from magis.analysis.ftree import DEFAULT_LEVELS, FTree, next_divisor, update_ftree
+from magis.backend.transfer import host_bytes_per_second
 from magis.cost.latency import CostModel, has_device_memory
 from magis.cost.memory import peak_memory, simulate_memory
 from magis.ir.graph import Graph
@@ -207,6 +208,9 @@ class _Search:
         self.queue: list[tuple[tuple, int, MState]] = []
         self.counter = itertools.count()
         self._rewrites: WeakKeyDictionary[Graph, dict[str, list[Rewrite]]] = WeakKeyDictionary()
+        #: states made of the dive's points before the first level reaches them (a swap
+        #: start's plan within the memory limit: :meth:`_swap_dive`), by the point's id
+        self.early: dict[int, MState] = {}
 
     # ------------------------------------------------------------------ Algorithm 3
     def run(self, graph: Graph) -> SearchResult:
@@ -254,10 +258,11 @@ class _Search:
         for point in sorted(points, key=lambda p: self._with_fission(p, separable, roots)[1]):
             if self._out_of_budget():
                 return
-            state = self._dive_state(separable, point)
+            state = self.early.pop(id(point), None) or self._dive_state(separable, point)
             if state is not None:
                 self._dive_fissions(state, separable, roots)
                 dived.append(state)
+        self.early.clear()  # those the spread along the front left out stay states, unfissioned
         self._fissions(separable, roots=False)
         for state in dived:  # where time is left (small graphs): every n the estimate passed over
             self._fissions(state, roots=True)
@@ -330,17 +335,23 @@ class _Search:
         (:func:`magis.search.rule_front.recompute_front`), never past the latency limit,
         no further down than the memory limit; where swapping is registered (a device
         with memory of its own), the greedy of the swap rule walks on from points of that
-        front (:meth:`_swap_dive`). Both share :data:`DIVE_SHARE` of the budget. Of each
+        front (:meth:`_swap_dive`), and in memory mode the recompute greedy stops where the
+        best it can do frees memory more slowly than the host link moves it (what it leaves,
+        a swap may move, and the limit is met sooner). Both share :data:`DIVE_SHARE` of the
+        budget. Of each
         dive, up to :data:`DIVE_STATES` points spread along its front and the one the
         objective ranks best are returned, to be made states (:meth:`_dive_state`) and
         fissioned. Algorithm 3 reaches such plans too, one rewrite at a time, but each
         of its expansions simulates every candidate of every rule."""
         names = {rule.name for rule in self.active}
+        swapping = "swap" in names
         deadline = min(time.perf_counter() + DIVE_SHARE * self.time_budget, self.deadline)
         start = FrontPoint(
             separable.peak_bytes, separable.latency_s, separable.base, separable.base_order, peak_steps=0
         )
         recomputed: list[FrontPoint] = []
+        memory_mode = self.objective.mode == "memory"
+        rate_floor = host_bytes_per_second(self.cost_model) if swapping and memory_mode else None
         if "remat" in names and deadline > time.perf_counter():
             front = recompute_front(
                 separable.base,
@@ -350,23 +361,28 @@ class _Search:
                 latency_limit_s=self.objective.latency_s,
                 peak_limit_bytes=self.objective.memory_bytes,
                 at_limits=self.objective.mode == "memory",  # a latency limit's points get fissioned
+                min_saving_rate=rate_floor,
             )
             recomputed = [p for p in front.points if p.graph is not separable.base]  # the start is no dive
         fits = self.objective.mode == "memory" and any(self.objective.met_by(p) for p in recomputed)
-        if "swap" not in names or fits:  # in memory mode: nothing left to swap for
+        if not swapping or fits:  # in memory mode: nothing left to swap for
             return self._spread(recomputed)
-        starts = [recomputed[k] for k in sorted(_evenly_spaced(len(recomputed), SWAP_STARTS))] or [start]
-        swapped = self._swap_dive(starts, deadline)
+        if rate_floor is None:  # spread along the front: which start is best depends on the limit
+            starts = [recomputed[k] for k in sorted(_evenly_spaced(len(recomputed), SWAP_STARTS))] or [start]
+        else:  # each point freed memory faster than a swap would: the most recomputed ones
+            starts = recomputed[-SWAP_STARTS:] or [start]
+        swapped = self._swap_dive(separable, starts, deadline)
         return [*self._spread(recomputed), *self._spread(list(pareto(swapped)))]
 
-    def _swap_dive(self, starts: list[FrontPoint], deadline: float) -> list[FrontPoint]:
+    def _swap_dive(self, separable: MState, starts: list[FrontPoint], deadline: float) -> list[FrontPoint]:
         """The swap greedy (:func:`~magis.search.rule_front.swap_front`) from each of
         ``starts``, the most recomputed first, each given an equal share of the time left
         and stopping at the limits: swapping moves tensors recomputation cannot reach (a
         convolution's output before a batch norm), and which start is best depends on
-        the limit. Measured on ResNet-50 at paper size (h200) under 0.4 of eager's peak:
-        from the recompute front's lowest point (1.29x eager's latency) the first swap
-        meets it at 1.29x; from its point at 1.09x, at about 1.10x."""
+        the limit. The first start's plan within a memory limit is made a state at once
+        (:attr:`early`): a feasible plan as soon as there is one, not after every start.
+        On ResNet-50 at paper size (h200) under 0.4 of eager's peak that plan comes two
+        swaps after the recompute front's lowest point; the later starts give faster ones."""
         points: list[FrontPoint] = []
         starts = sorted(starts, key=lambda p: p.peak_bytes)
         for k, start in enumerate(starts):
@@ -381,7 +397,14 @@ class _Search:
                 latency_limit_s=self.objective.latency_s,
                 peak_limit_bytes=self.objective.memory_bytes,
             )
-            points += [replace(p, recomputed=start.recomputed) for p in front.points if p.graph is not start.graph]
+            walked = [replace(p, recomputed=start.recomputed) for p in front.points if p.graph is not start.graph]
+            within = [p for p in walked if self.objective.met_by(p)]
+            if within and not self.objective.met_by(self.best):
+                first = min(within, key=lambda p: self.objective.rank(p.peak_bytes, p.latency_s))
+                state = self._dive_state(separable, first)
+                if state is not None:
+                    self.early[id(first)] = state
+            points += walked
         return points
 
     def _spread(self, points: list[FrontPoint]) -> list[FrontPoint]:
