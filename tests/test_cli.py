@@ -83,7 +83,7 @@ def test_optimize_json_has_the_documented_keys(capsys, tmp_path):
         assert key in report, key
     assert report["peak_bytes"] <= 0.8 * report["baseline_peak_bytes"] and report["states"] <= 12
     done = report["transformations"]
-    assert done["fission"] or done["recomputed"]  # what brought the peak under the limit
+    assert done["fission"] or done["recomputed"] or done["swapped"]  # what brought the peak under the limit
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
