@@ -338,20 +338,18 @@ class _Search:
         front (:meth:`_swap_dive`), and in memory mode the recompute greedy stops where the
         best it can do frees memory more slowly than the host link moves it (what it leaves,
         a swap may move, and the limit is met sooner). Both share :data:`DIVE_SHARE` of the
-        budget. Of each
-        dive, up to :data:`DIVE_STATES` points spread along its front and the one the
-        objective ranks best are returned, to be made states (:meth:`_dive_state`) and
-        fissioned. Algorithm 3 reaches such plans too, one rewrite at a time, but each
+        budget. Of each dive, up to :data:`DIVE_STATES` points spread along its front and
+        the one the objective ranks best are returned, to be made states (:meth:`_dive_state`)
+        and fissioned. Algorithm 3 reaches such plans too, one rewrite at a time, but each
         of its expansions simulates every candidate of every rule."""
         names = {rule.name for rule in self.active}
-        swapping = "swap" in names
+        swapping, memory_mode = "swap" in names, self.objective.mode == "memory"
+        rate_floor = host_bytes_per_second(self.cost_model) if swapping and memory_mode else None
         deadline = min(time.perf_counter() + DIVE_SHARE * self.time_budget, self.deadline)
         start = FrontPoint(
             separable.peak_bytes, separable.latency_s, separable.base, separable.base_order, peak_steps=0
         )
         recomputed: list[FrontPoint] = []
-        memory_mode = self.objective.mode == "memory"
-        rate_floor = host_bytes_per_second(self.cost_model) if swapping and memory_mode else None
         if "remat" in names and deadline > time.perf_counter():
             front = recompute_front(
                 separable.base,
@@ -360,11 +358,11 @@ class _Search:
                 time_budget=deadline - time.perf_counter(),
                 latency_limit_s=self.objective.latency_s,
                 peak_limit_bytes=self.objective.memory_bytes,
-                at_limits=self.objective.mode == "memory",  # a latency limit's points get fissioned
+                at_limits=memory_mode,  # a latency limit's points get fissioned
                 min_saving_rate=rate_floor,
             )
             recomputed = [p for p in front.points if p.graph is not separable.base]  # the start is no dive
-        fits = self.objective.mode == "memory" and any(self.objective.met_by(p) for p in recomputed)
+        fits = memory_mode and any(self.objective.met_by(p) for p in recomputed)
         if not swapping or fits:  # in memory mode: nothing left to swap for
             return self._spread(recomputed)
         if rate_floor is None:  # spread along the front: which start is best depends on the limit
