@@ -120,22 +120,35 @@ def resident_tensors(model: torch.nn.Module, inputs: Iterable[Any]) -> list[torc
 
 
 class CudaPeakMeter:
-    """``torch.cuda.max_memory_allocated`` over a block, resident tensors included."""
+    """``torch.cuda.max_memory_allocated`` over a block, counted as :class:`LiveTensorMeter`
+    counts: the resident tensors, plus what the block allocates above what was held when
+    it began.
 
-    def __init__(self, device: torch.device) -> None:
+    Memory the caller holds beside the step (eager's reference gradients kept for a
+    comparison, another model) is allocated but belongs to no step: counting it, as the
+    raw counter does, made a plan measured after eager look larger by eager's gradients
+    (BERT small on an H100: 1.32 of eager's peak where the step alone is 0.97).
+    """
+
+    def __init__(self, device: torch.device, resident: Iterable[torch.Tensor] = ()) -> None:
         self.device = device
+        storages = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in resident}
+        self.resident_bytes = int(sum(storages.values()))
+        self.held_at_start = 0
         self.peak_bytes = 0
         self.offloaded_bytes = 0  # peak of pinned host memory holding swapped-out tensors
 
     def __enter__(self) -> CudaPeakMeter:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.held_at_start = int(torch.cuda.memory_allocated(self.device))
         HOST_POOL.reset_peak()
         return self
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.synchronize(self.device)
-        self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        allocated = int(torch.cuda.max_memory_allocated(self.device)) - self.held_at_start
+        self.peak_bytes = self.resident_bytes + allocated
         self.offloaded_bytes = HOST_POOL.peak_bytes
 
 
@@ -143,5 +156,5 @@ def peak_meter(model: torch.nn.Module, inputs: Iterable[Any]) -> LiveTensorMeter
     """The right meter for where the model lives."""
     param = next(model.parameters())
     if param.device.type == "cuda":
-        return CudaPeakMeter(param.device)
+        return CudaPeakMeter(param.device, resident_tensors(model, inputs))
     return LiveTensorMeter(resident_tensors(model, inputs))
