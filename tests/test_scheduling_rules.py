@@ -29,6 +29,7 @@ from magis.ir.graph import Graph
 from magis.models import WORKLOADS, Built
 from magis.rules.compact import compact
 from magis.rules.remat import (
+    MAX_OPS,
     RematError,
     all_shared_copies,
     de_remat,
@@ -219,6 +220,26 @@ def test_copies_of_one_chain_recomputed_twice_are_shared():
     assert len(at_once.graph) <= min(len(r.graph) for r in shared)  # every merge, at once
     assert not shared_copies(at_once.graph, at_once.order, originals)
     assert_runs_like_eager(step, at_once.graph, at_once.order)
+
+
+def test_a_pointwise_chain_longer_than_the_operator_budget_is_recomputed_from_its_head():
+    """tanh-GELU saves intermediates five or more pointwise operators past the linear's
+    output: counted as whole operators they exceed MAX_OPS; a pointwise one counts half, so
+    the chain is copied back from the linear's output, every copy pointwise. Recomputed,
+    the step computes eager's gradients, measured peak = simulated."""
+    torch.manual_seed(0)
+    step = step_of(Built(TanhGeluMLP().double(), (torch.randn(64, 16, dtype=torch.float64),)))
+    timeline = Timeline.of(step.graph)
+    proposals = remat_proposals(step.graph, timeline)
+    long = [p for p in proposals if p.segment.ops > MAX_OPS]
+    assert long and all(p.segment.budget <= MAX_OPS for p in proposals)
+    for proposal in long:
+        copied = [n for n in proposal.segment.nodes if n.target is not operator.getitem]
+        assert all(torch.Tag.pointwise in n.target.tags for n in copied), proposal.target
+    best = max(long, key=lambda p: p.saving)
+    rewrite = rematerialized(step.graph, timeline, best)
+    assert rewrite is not None and rewrite.memory.peak < step.peak
+    assert_runs_like_eager(step, rewrite.graph, rewrite.order)
 
 
 def test_independent_recomputations_applied_together_run_like_eager():

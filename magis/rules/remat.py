@@ -4,7 +4,7 @@
   peak step, :func:`~magis.rules.rewrite.saved_tensors`), the readers after the
   peak get their own recomputed copy A', placed right before the first of them. Where
   an input of A is freed by then, it is recomputed too (a short chain, at most
-  ``max_ops`` operators) rather than kept alive; inputs still alive then, or that
+  ``max_ops`` operators, a pointwise one counting half) rather than kept alive; inputs still alive then, or that
   cannot be recomputed, are read as they are.
 - :func:`de_remat`: two nodes with the same operator and the same inputs become one
   (and so, in turn, do the readers that then coincide): the dual rule.
@@ -77,6 +77,10 @@ CHEAP_OPS = frozenset(
     }
 )
 MAX_OPS = 4  # operators one recomputation may copy (views and getitem not counted)
+#: the share of ``MAX_OPS`` a pointwise operator takes: each reads and writes about one
+#: tensor of its size, and activations are chains of them (a tanh-GELU is eight), which a
+#: budget counted in whole operators cut off before the tensor that owns the storage
+POINTWISE_SHARE = 0.5
 
 
 class RematError(ValueError):
@@ -112,6 +116,12 @@ def why_not_recomputable(graph: Graph, name: str, heavy: bool = False) -> str | 
     return f"{node.op_name} is not among the operators recomputed ({cheap})"
 
 
+def _budget_share(node: Node) -> float:
+    """The share of the operator budget copying ``node`` takes (a view takes none)."""
+    pointwise = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+    return POINTWISE_SHARE if pointwise else 1.0
+
+
 def _is_dropout_output(graph: Graph, node: Node) -> bool:
     return node.target is operator.getitem and graph[node.inputs[0]].target is aten.native_dropout.default
 
@@ -131,6 +141,7 @@ class Segment:
     copy_of: dict[str, str] = field(default_factory=dict)  # original -> copy
     reads: set[str] = field(default_factory=set)  # originals the copies read
     ops: int = 0
+    budget: float = 0.0  # of ``max_ops``: pointwise operators count POINTWISE_SHARE each
 
 
 @dataclass
@@ -157,6 +168,7 @@ class _Recompute:
         else:
             if not is_view(node):
                 self.segment.ops += 1
+                self.segment.budget += _budget_share(node)
             args, kwargs = map_refs((node.args, node.kwargs), self._input)
             made = replace(node, name=self._fresh(name), args=args, kwargs=kwargs, role=Role.BACKWARD)
         self.segment.nodes.append(made)
@@ -168,6 +180,7 @@ class _Recompute:
         dropout = self.graph[item.inputs[0]]
         x, p = dropout.args[0], float(dropout.args[1])
         self.segment.ops += 1
+        self.segment.budget += 1
         mask = _mask_of(self.graph, dropout.name)
         self.segment.reads.add(mask)
         return Node(
@@ -200,10 +213,10 @@ class _Recompute:
         if why_not_recomputable(self.graph, name, self.heavy) is not None:
             return False
         if _is_dropout_output(self.graph, node):
-            return self.segment.ops < self.max_ops
+            return self.segment.budget + 1 <= self.max_ops
         if node.target is operator.getitem or is_view(node):
             return all(self._worth_copying(p) or not self._gone(p) for p in node.inputs)
-        return self.segment.ops < self.max_ops
+        return self.segment.budget + _budget_share(node) <= self.max_ops
 
     def _fresh(self, name: str) -> str:
         i = 0
