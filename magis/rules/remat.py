@@ -4,8 +4,8 @@
   peak step, :func:`~magis.rules.rewrite.saved_tensors`), the readers after the
   peak get their own recomputed copy A', placed right before the first of them. Where
   an input of A is freed by then, it is recomputed too (a short chain, at most
-  ``max_ops`` operators, a pointwise one counting half) rather than kept alive; inputs still alive then, or that
-  cannot be recomputed, are read as they are.
+  ``max_ops`` operators, a pointwise one counting half) rather than kept alive; inputs
+  still alive then, or that cannot be recomputed, are read as they are.
 - :func:`de_remat`: two nodes with the same operator and the same inputs become one
   (and so, in turn, do the readers that then coincide): the dual rule.
 
@@ -76,7 +76,7 @@ CHEAP_OPS = frozenset(
         aten._safe_softmax.default,
     }
 )
-MAX_OPS = 4  # operators one recomputation may copy (views and getitem not counted)
+MAX_OPS = 4  # operators one recomputation may copy (views and getitem free, pointwise ones at POINTWISE_SHARE)
 #: the share of ``MAX_OPS`` a pointwise operator takes: each reads and writes about one
 #: tensor of its size, and activations are chains of them (a tanh-GELU is eight), which a
 #: budget counted in whole operators cut off before the tensor that owns the storage
