@@ -30,10 +30,12 @@ from magis.models import WORKLOADS, Built
 from magis.rules.compact import compact
 from magis.rules.remat import (
     MAX_OPS,
+    SEGMENT_GROWTH,
     RematError,
-    all_shared_copies,
     de_remat,
     independent,
+    merged_duplicates,
+    plan_recompute,
     recompute,
     remat,
     remat_proposals,
@@ -42,7 +44,7 @@ from magis.rules.remat import (
     shared_copies,
     why_not_recomputable,
 )
-from magis.rules.rewrite import Rewrite, Timeline, saved_tensors
+from magis.rules.rewrite import Rewrite, Timeline, kept_alive, net_saving, saved_tensors
 from magis.rules.swap import de_swap, swap
 from magis.schedule import schedule
 from magis.schedule.transfers import place_transfers
@@ -200,7 +202,7 @@ class TanhGeluMLP(nn.Module):
 
 def test_copies_of_one_chain_recomputed_twice_are_shared():
     """Three recomputations of tanh-GELU's intermediates copy the chain's head more than once;
-    shared_copies merges a copy into the earlier one like it: fewer nodes, eager's gradients,
+    merged_duplicates merges a copy into the earlier one like it: fewer nodes, eager's gradients,
     measured peak = simulated. Nothing is shared before any recomputation, nor into an original."""
     torch.manual_seed(0)
     step = step_of(Built(TanhGeluMLP().double(), (torch.randn(64, 16, dtype=torch.float64),)))
@@ -208,15 +210,16 @@ def test_copies_of_one_chain_recomputed_twice_are_shared():
     assert not shared_copies(step.graph, [n.name for n in step.graph.nodes], originals)
     graph, _ = greedy(step.graph, 3)
     order = [n.name for n in graph.nodes]
-    shared = shared_copies(graph, order, originals)
-    assert shared
+    pairs = shared_copies(graph, order, originals)
+    assert pairs
+    shared = [merged_duplicates(graph, order, [pair], originals) for pair in pairs]
     for rewrite in shared:
         removed = set(graph.index) - set(rewrite.graph.index)
         assert removed and not removed & originals, rewrite.description
         assert_runs_like_eager(step, rewrite.graph, rewrite.order)
 
-    at_once = all_shared_copies(graph, order, originals)
-    assert at_once is not None and not set(graph.index) - set(at_once.graph.index) & originals
+    at_once = merged_duplicates(graph, order, pairs, originals)
+    assert not set(graph.index) - set(at_once.graph.index) & originals
     assert len(at_once.graph) <= min(len(r.graph) for r in shared)  # every merge, at once
     assert not shared_copies(at_once.graph, at_once.order, originals)
     assert_runs_like_eager(step, at_once.graph, at_once.order)
@@ -237,6 +240,27 @@ def test_a_pointwise_chain_longer_than_the_operator_budget_is_recomputed_from_it
         copied = [n for n in proposal.segment.nodes if not is_view(n)]
         assert all(torch.Tag.pointwise in n.target.tags for n in copied), proposal.target
     best = max(long, key=lambda p: p.saving)
+    rewrite = rematerialized(step.graph, timeline, best)
+    assert rewrite is not None and rewrite.memory.peak < step.peak
+    assert_runs_like_eager(step, rewrite.graph, rewrite.order)
+
+
+def test_a_segment_cut_off_by_its_budget_grows_until_it_is_a_saving():
+    """With a budget of one operator, recomputing a tanh-GELU intermediate would read an
+    earlier intermediate freed before the peak and keep it alive: no saving. The budget
+    doubles (up to SEGMENT_GROWTH times) until the copies reach the linear's output; the
+    longer segment is proposed, runs like eager, and lowers the peak."""
+    torch.manual_seed(0)
+    step = step_of(Built(TanhGeluMLP().double(), (torch.randn(64, 16, dtype=torch.float64),)))
+    timeline = Timeline.of(step.graph)
+    proposals = remat_proposals(step.graph, timeline, max_ops=1)
+    grown = [p for p in proposals if p.segment.budget > 1]
+    assert grown and all(p.segment.budget <= SEGMENT_GROWTH for p in proposals)
+    for proposal in grown:  # its segment within one operator is no saving
+        short = plan_recompute(step.graph, proposal.saved, timeline, max_ops=1)
+        kept = kept_alive(step.graph, timeline, short.reads, proposal.saved.first_late)
+        assert net_saving(timeline, proposal.saved.freed, kept) is None, proposal.target
+    best = max(grown, key=lambda p: p.saving)
     rewrite = rematerialized(step.graph, timeline, best)
     assert rewrite is not None and rewrite.memory.peak < step.peak
     assert_runs_like_eager(step, rewrite.graph, rewrite.order)

@@ -4,8 +4,9 @@
   peak step, :func:`~magis.rules.rewrite.saved_tensors`), the readers after the
   peak get their own recomputed copy A', placed right before the first of them. Where
   an input of A is freed by then, it is recomputed too (a short chain, at most
-  ``max_ops`` operators, a pointwise one counting half) rather than kept alive; inputs
-  still alive then, or that cannot be recomputed, are read as they are.
+  ``max_ops`` operators, a pointwise one counting half, and up to ``SEGMENT_GROWTH``
+  times as many where a shorter chain would keep alive more than it frees) rather than
+  kept alive; inputs still alive then, or that cannot be recomputed, are read as they are.
 - :func:`de_remat`: two nodes with the same operator and the same inputs become one
   (and so, in turn, do the readers that then coincide): the dual rule.
 
@@ -33,7 +34,7 @@ the first execution's value.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -81,6 +82,9 @@ MAX_OPS = 4  # operators one recomputation may copy (views and getitem free, poi
 #: tensor of its size, and activations are chains of them (a tanh-GELU is eight), which a
 #: budget counted in whole operators cut off before the tensor that owns the storage
 POINTWISE_SHARE = 0.5
+#: how far a segment's budget may grow (doubling from ``max_ops``) where a shorter one
+#: would keep alive more than it frees (:func:`remat_proposals`)
+SEGMENT_GROWTH = 4
 
 
 class RematError(ValueError):
@@ -297,14 +301,38 @@ def remat_proposals(
     nothing is rewritten or simulated (that is :func:`rematerialized`)."""
     found = []
     for saved in joined_by_owner(graph, saved_tensors(graph, timeline)):
+        proposal = _shortest_saving_segment(graph, timeline, saved, heavy, max_ops)
+        if proposal is not None:
+            found.append(proposal)
+    return found
+
+
+def _shortest_saving_segment(
+    graph: Graph, timeline: Timeline, saved: SavedTensor, heavy: bool, max_ops: int
+) -> RematProposal | None:
+    """The recomputation of ``saved`` within ``max_ops`` operators where it is a net saving,
+    else within twice as many, and so on up to ``SEGMENT_GROWTH`` times ``max_ops``.
+
+    A segment cut off by its budget reads whatever its last copies need as it is, and
+    where that was freed before the peak it is kept alive instead: a layer's rotary
+    query (a norm, a projection, the rotation) keeps the norm's statistics and the
+    rotated half alive, more than it frees. The copies then run on to tensors that are
+    still alive, which is what checkpointing a whole layer does; the greedy ranks the
+    longer segment by its bytes per second, so it is taken only where it pays."""
+    copied: set[str] | None = None
+    budget = max_ops
+    while budget <= SEGMENT_GROWTH * max_ops:
         try:
-            segment = plan_recompute(graph, saved, timeline, heavy, max_ops)
+            segment = plan_recompute(graph, saved, timeline, heavy, budget)
         except RematError:
-            continue
+            return None
+        if set(segment.copy_of) == copied:  # the budget no longer cuts it off
+            return None
         saving = net_saving(timeline, saved.freed, kept_alive(graph, timeline, segment.reads, saved.first_late))
         if saving is not None:
-            found.append(RematProposal(saved, segment, saving))
-    return found
+            return RematProposal(saved, segment, saving)
+        copied, budget = set(segment.copy_of), 2 * budget
+    return None
 
 
 def joined_by_owner(graph: Graph, saved: Sequence[SavedTensor]) -> list[SavedTensor]:
@@ -424,97 +452,94 @@ def de_remat(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
     computes what an earlier node computes (same operator, same inputs; never a random op)
     is merged into it, and then every pair of readers that has become the same, and so on."""
     order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
-    return _duplicates_merged(graph, order, frozenset(), "de-remat {drop} into {keep}")
+    return [
+        merged_duplicates(graph, order, [pair], description=f"de-remat {pair[0]} into {pair[1]}")
+        for pair in duplicates(graph, order)
+    ]
 
 
-def shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str]) -> list[Rewrite]:
-    """Recomputed copies that compute what an earlier copy computes, each merged into it.
+def shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str]) -> list[tuple[str, str]]:
+    """Recomputed copies that compute what an earlier copy computes, each with that copy
+    (``(drop, keep)``, in ``order``), for :func:`merged_duplicates`.
 
     Two recomputations often copy the same chain: saving two intermediates of one
     activation (tanh-GELU's eight operators) recomputes the chain's head twice, where
     torch.compile's min-cut recomputes it once. :func:`de_remat` leaves these alone,
     since each copy also computes what its original did, and merging into the original
     undoes the recomputation. Here only nodes outside ``originals`` (the step before any
-    recomputation) are compared, and a copy is merged into the earliest copy like it,
-    then their readers that coincide, as :func:`de_remat` does.
+    recomputation) are compared.
     """
-    return _duplicates_merged(graph, tuple(order), originals, "share {keep} with {drop}")
+    return duplicates(graph, order, originals)
 
 
-def all_shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str]) -> Rewrite | None:
-    """Every merge of :func:`shared_copies` made at once, ``None`` where there is none: in
-    ``order``, each copy that computes what an earlier copy computes (reading the copies
-    merged so far) is merged into it, in one pass (value numbering). A round of the
-    greedy that recomputes a tensor of every layer makes a shared copy in each: merging
-    them one by one would rebuild and simulate the step once per layer."""
-    rename: dict[str, str] = {}
-
-    def renamed(ref: Ref) -> Ref:
-        return Ref(rename.get(ref.name, ref.name))
-
-    first: dict[str, str] = {}
-    for name in order:
-        node = graph[name]
-        if name in originals or node.is_input or node.random or node.on_host:
-            continue
-        if any(p in rename for p in node.inputs):
-            node = replace(node, args=map_refs(node.args, renamed), kwargs=map_refs(node.kwargs, renamed))
-        keep = first.setdefault(_key(graph, node), name)
-        if keep != name:
-            rename[name] = keep
-    if not rename:
-        return None
-    new_order = tuple(n for n in order if n not in rename)
-    merged = reordered(graph.replace(rename, rename=rename), new_order)
-    description = f"share {len(set(rename.values()))} recomputed copies: {len(rename)} node(s) merged"
-    return Rewrite(merged, description, new_order, frozenset(rename) | frozenset(rename.values()))
+def _mutates(node: Node) -> bool:
+    """Whether ``node`` writes into one of its inputs (two such writes are never one)."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
-def _duplicates_merged(graph: Graph, order: tuple[str, ...], left: frozenset[str], says: str) -> list[Rewrite]:
+def duplicates(graph: Graph, order: Sequence[str], left: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """Each node outside ``left`` that allocates memory and computes what an earlier such
-    node computes, merged into it (:func:`_merge`), one rewrite per node; ``says`` spells
-    the description's head from ``keep`` and ``drop``."""
-    pos = {name: i for i, name in enumerate(order)}
+    node computes (:func:`_key`), with the earliest such node: ``(drop, keep)``. Random
+    operators and operators that write into an input are never duplicates."""
     first: dict[str, str] = {}
     found = []
     for name in order:
         node = graph[name]
-        if name in left or node.is_input or node.random or node.on_host:
+        if name in left or node.is_input or node.random or node.on_host or _mutates(node):
             continue
         keep = first.setdefault(_key(graph, node), name)
-        if keep == name or node.fresh_bytes == 0:
-            continue
-        merged, removed = _merge(graph, keep, name, pos, left)
-        new_order = tuple(n for n in order if n not in removed)
-        description = f"{says.format(keep=keep, drop=name)} ({node.op_name}): {len(removed)} node(s) merged"
-        found.append(Rewrite(reordered(merged, new_order), description, new_order, frozenset(removed | {keep})))
+        if keep != name and node.fresh_bytes > 0:
+            found.append((name, keep))
     return found
 
 
-def _merge(
-    graph: Graph, keep: str, drop: str, pos: dict[str, int], protected: frozenset[str] = frozenset()
-) -> tuple[Graph, set[str]]:
-    """Merge ``drop`` into ``keep``, then every reader of ``keep`` that now computes what an
-    earlier node computes into that node, and so on; a node of ``protected`` is never merged
-    into another."""
-    removed: set[str] = set()
-    todo = [(keep, drop)]
-    while todo:
-        keep, drop = todo.pop()
-        if keep not in graph or drop not in graph:
+def merged_duplicates(
+    graph: Graph,
+    order: Sequence[str],
+    pairs: Sequence[tuple[str, str]],
+    left: frozenset[str] = frozenset(),
+    description: str = "merge duplicates",
+) -> Rewrite:
+    """Each ``(drop, keep)`` of ``pairs`` (:func:`duplicates`) merged, and then every reader
+    that coincides with an earlier node, and so on (:func:`_value_numbered`), all in one
+    rebuild; a node of ``left`` is never merged into another. A round of the greedy that
+    recomputes a tensor of every layer makes a shared copy in each: merging them one by
+    one would rebuild and simulate the step once per layer."""
+    order = tuple(order)
+    rename = _value_numbered(graph, order, dict(pairs), lambda name: name not in left and not _mutates(graph[name]))
+    new_order = tuple(n for n in order if n not in rename)
+    merged = reordered(graph.replace(rename, rename=rename), new_order)
+    touched = frozenset(rename) | frozenset(keep for _, keep in pairs)
+    return Rewrite(merged, f"{description}: {len(rename)} node(s) merged", new_order, touched)
+
+
+def _value_numbered(
+    graph: Graph, order: tuple[str, ...], seed: dict[str, str], mergeable: Callable[[str], bool]
+) -> dict[str, str]:
+    """``seed`` (node -> the earlier node it is merged into) grown by value numbering: in
+    ``order``, a node that reads a merged node and then computes what an earlier node
+    computes (operator and arguments, read through the merges so far: :func:`_key`) is
+    merged into it, where ``mergeable`` allows. One pass, one rebuild by the caller:
+    merging the readers one at a time rebuilds the step once per reader."""
+    rename = dict(seed)
+
+    def root(name: str) -> str:  # a seed's keep may itself be merged on the way
+        while name in rename:
+            name = rename[name]
+        return name
+
+    def renamed(ref: Ref) -> Ref:
+        return Ref(root(ref.name))
+
+    first: dict[str, str] = {}
+    for name in order:
+        node = graph[name]
+        if name in rename or node.is_input or node.random or node.on_host:
             continue
-        graph = graph.replace([drop], rename={drop: keep})
-        removed.add(drop)
-        # Only readers of ``keep`` can now coincide, with one another, or with the output of a
-        # dropout of ``keep`` (what a dropout applied again from its mask computes: ``_key``).
-        readers = graph.consumers[keep]
-        dropped_out = [c for r in readers if graph[r].target is aten.native_dropout.default for c in graph.consumers[r]]
-        earliest: dict[str, str] = {}
-        for name in sorted({*readers, *dropped_out}, key=pos.__getitem__):
-            node = graph[name]
-            if node.is_input or node.random:
-                continue
-            other = earliest.setdefault(_key(graph, node), name)
-            if other != name and name in readers and name not in protected:
-                todo.append((other, name))
-    return graph, removed
+        reads_merged = any(p in rename for p in node.inputs)
+        if reads_merged:
+            node = replace(node, args=map_refs(node.args, renamed), kwargs=map_refs(node.kwargs, renamed))
+        keep = first.setdefault(_key(graph, node), name)
+        if keep != name and reads_merged and mergeable(name):
+            rename[name] = keep
+    return {drop: root(keep) for drop, keep in rename.items()}

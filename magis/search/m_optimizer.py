@@ -395,7 +395,11 @@ class _Search:
                 latency_limit_s=self.objective.latency_s,
                 peak_limit_bytes=self.objective.memory_bytes,
             )
-            walked = [replace(p, recomputed=start.recomputed) for p in front.points if p.graph is not start.graph]
+            walked = [
+                replace(p, recomputed=start.recomputed, merged=start.merged)
+                for p in front.points
+                if p.graph is not start.graph
+            ]
             within = [p for p in walked if self.objective.met_by(p)]
             if within and not self.objective.met_by(self.best):
                 first = min(within, key=lambda p: self.objective.rank(p.peak_bytes, p.latency_s))
@@ -418,7 +422,8 @@ class _Search:
         profile = simulate_memory(point.graph, point.order)
         touched = changed_nodes(separable.base, point.graph)
         tree = update_ftree(separable.tree, point.graph, profile, touched, self.levels)
-        steps = tuple(Step("remat", f"recompute {target} (greedy)") for target in point.recomputed)
+        steps = (Step("de-remat", f"merge {len(point.merged)} duplicate operator(s) (greedy)"),) if point.merged else ()
+        steps += tuple(Step("remat", f"recompute {target} (greedy)") for target in point.recomputed)
         steps += tuple(Step("swap", f"swap {target} (greedy)") for target in point.swapped)
         mutation = _Mutation(point.graph, point.order, tree, point.graph, point.order, steps, scheduled=True)
         state = self._evaluate(separable, mutation)

@@ -4,7 +4,11 @@
 The M-Optimizer (:mod:`magis.search.m_optimizer`) combines every rule; this module asks
 what one kind of rule does on its own, the way the peers do (checkpointing,
 torch.compile's min-cut partitioner, offloading). Starting from the captured step in
-its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats one round:
+its memory-optimal order, :func:`recompute_front` first merges the step's duplicate
+operators where that saves time and raises no step above the peak (common subexpression
+elimination: :func:`magis.rules.remat.de_remat`'s merges, which AOTAutograd makes for
+torch.compile; a captured step repeats, say, a ``scalar_tensor`` in every layer's
+backward), then (as :func:`swap_front` does) repeats one round:
 
 1. the schedule's memory timeline is simulated once, and the rule's proposals are
    read off it without building a graph (:func:`magis.rules.remat.remat_proposals`,
@@ -20,8 +24,8 @@ its memory-optimal order, :func:`recompute_front` (:func:`swap_front`) repeats o
    Alg. 2, as the M-Optimizer does), the rule's own placement kept where it is better;
 5. recomputed copies that compute what an earlier copy computes (two saved intermediates
    of one activation recompute its chain's head twice) are merged into it
-   (:func:`magis.rules.remat.shared_copies`), one merge at a time, the one that saves the
-   most time first, while one saves time and raises no step above the peak;
+   (:func:`magis.rules.remat.shared_copies`): all at once where that saves time and
+   raises no step above the peak, else each half of them in turn, and so on;
 6. (recomputation) the same kind of tensor is saved in every layer of a model, so the
    round's best candidate is also tried together with the next best-ranked proposals
    independent of it (:func:`magis.rules.remat.rematerialized_together`: one rewrite,
@@ -58,8 +62,9 @@ from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.ir.graph import Graph
 from magis.rules.remat import (
     MAX_OPS,
-    all_shared_copies,
+    duplicates,
     independent,
+    merged_duplicates,
     recompute_seconds,
     remat_proposals,
     rematerialized,
@@ -88,8 +93,9 @@ _NO_SECONDS = 1e-12
 
 @dataclass(frozen=True)
 class FrontPoint:
-    """A plan on the way: its graph and schedule, their simulated figures, and the owners
-    of the tensors recomputed and swapped so far (in the order the greedy chose them)."""
+    """A plan on the way: its graph and schedule, their simulated figures, the owners of
+    the tensors recomputed and swapped so far (in the order the greedy chose them), and the
+    duplicate operators merged away before the first round."""
 
     peak_bytes: int
     latency_s: float
@@ -98,6 +104,7 @@ class FrontPoint:
     peak_steps: int  # steps at the peak (a plateau narrowing is progress too)
     recomputed: tuple[str, ...] = ()
     swapped: tuple[str, ...] = ()
+    merged: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,7 +207,7 @@ def recompute_front(
 
     limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes, at_limits, min_saving_rate)
     together = _Batching(independent, rematerialized_together) if batching else None
-    return _greedy(graph, model, order, propose, "recomputed", limits, progress, together)
+    return _greedy(graph, model, order, propose, "recomputed", limits, progress, together, dedupe=True)
 
 
 def swap_front(
@@ -259,15 +266,20 @@ def _greedy(
     limits: _Limits,
     progress: bool,
     batching: _Batching | None = None,
+    dedupe: bool = False,
 ) -> RuleFront:
-    """Rounds of the module docstring until no progress or one of ``limits``."""
+    """Rounds of the module docstring until no progress or one of ``limits``, from the
+    step with its duplicates merged first where ``dedupe`` (step 0)."""
     if not limits.time_budget > 0:
         raise ValueError(f"the time budget must be a positive number of seconds, got {limits.time_budget!r}")
     start = time.perf_counter()
     deadline = start + limits.time_budget
     order = tuple(schedule(graph).order if order is None else order)
     current = _point(graph, order, model)
-    originals = frozenset(graph.index)
+    if dedupe:
+        deduped = _merged_in_halves(current, duplicates(graph, order), frozenset(), model, deadline)
+        current = replace(deduped, merged=tuple(n for n in order if n not in deduped.graph.index))
+    originals = frozenset(current.graph.index)
     visited, passed = [current], []
     stopped_by = "no progress"
     batch = 1  # proposals the next round tries together (step 6); the first round takes one
@@ -450,7 +462,7 @@ def _after(current: FrontPoint, point: FrontPoint, kind: str, targets: Sequence[
     """``point`` with ``current``'s history and ``targets`` added to its ``kind``."""
     history = {"recomputed": current.recomputed, "swapped": current.swapped}
     history[kind] = (*history[kind], *targets)
-    return replace(point, **history)
+    return replace(point, **history, merged=current.merged)
 
 
 def _progress(current: FrontPoint, rewrite: Rewrite, model: CostModel) -> tuple[int, float, int] | None:
@@ -479,20 +491,35 @@ def _applied(
 
 
 def _with_shared_copies(point: FrontPoint, originals: frozenset[str], model: CostModel, deadline: float) -> FrontPoint:
-    """``point`` with its duplicate recomputed copies merged (step 5 of the module docstring):
-    all at once where that raises no step above the peak, else one at a time."""
-    at_once = all_shared_copies(point.graph, point.order, originals)
-    if at_once is not None:
-        merged = _point(at_once.graph, at_once.order, model)
-        if merged.peak_bytes <= point.peak_bytes and merged.latency_s < point.latency_s:
-            return replace(merged, recomputed=point.recomputed, swapped=point.swapped)
-    while time.perf_counter() < deadline:
-        merged = (_point(r.graph, r.order, model) for r in shared_copies(point.graph, point.order, originals))
-        better = [p for p in merged if p.peak_bytes <= point.peak_bytes and p.latency_s < point.latency_s]
-        if not better:
-            break
-        point = replace(min(better, key=lambda p: p.latency_s), recomputed=point.recomputed, swapped=point.swapped)
-    return point
+    """``point`` with its duplicate recomputed copies merged (step 5 of the module docstring)."""
+    return _merged_in_halves(point, shared_copies(point.graph, point.order, originals), originals, model, deadline)
+
+
+def _merged_in_halves(
+    point: FrontPoint,
+    pairs: Sequence[tuple[str, str]],
+    left: frozenset[str],
+    model: CostModel,
+    deadline: float,
+) -> FrontPoint:
+    """The duplicates ``pairs`` merged (:func:`magis.rules.remat.merged_duplicates`, no
+    node of ``left`` merged into another) all at once where that raises no step above
+    the peak and saves time, else each half in turn, and so on: a merge that would raise
+    the peak (a copy kept alive from one layer's backward to the next) is set apart in a
+    logarithmic number of simulations, where trying the merges one by one takes as many
+    as there are (about one per layer and round)."""
+    pairs = [(drop, keep) for drop, keep in pairs if drop in point.graph.index and keep in point.graph.index]
+    if not pairs or time.perf_counter() > deadline:
+        return point
+    rewrite = merged_duplicates(point.graph, point.order, pairs, left)
+    merged = _point(rewrite.graph, rewrite.order, model)
+    if merged.peak_bytes <= point.peak_bytes and merged.latency_s < point.latency_s:
+        return _after(point, merged, "recomputed", ())
+    if len(pairs) == 1:
+        return point
+    half = len(pairs) // 2
+    point = _merged_in_halves(point, pairs[:half], left, model, deadline)
+    return _merged_in_halves(point, pairs[half:], left, model, deadline)
 
 
 def _point(graph: Graph, order: Sequence[str], model: CostModel, memory: MemoryProfile | None = None) -> FrontPoint:
