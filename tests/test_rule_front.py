@@ -9,14 +9,18 @@ import json
 
 import pytest
 import torch
+from test_fission import assert_runs_like_eager
 from test_optimize import GeluStack
-from test_scheduling_rules import mlp_step
+from test_scheduling_rules import mlp_step, step_of
+from torch import nn
 
 from magis.backend.transfer import Load, Store
 from magis.cli import main
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
+from magis.models import Built
+from magis.rules.remat import duplicates
 from magis.schedule import schedule
 from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
 
@@ -46,6 +50,40 @@ def test_recompute_front_is_monotone_and_starts_at_the_scheduled_step():
     assert all(a.peak_bytes >= b.peak_bytes for a, b in itertools.pairwise(front.visited))
     cheap = recompute_front(graph, H200, heavy=False)
     assert cheap.points[-1].peak_bytes >= front.points[-1].peak_bytes
+
+
+class TanhTwice(nn.Module):
+    """Each block computes the same ``tanh`` twice: eager runs both, and the captured step
+    keeps both outputs for the backward."""
+
+    def __init__(self, blocks: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(x)
+            x = torch.tanh(h) * torch.tanh(h)
+        return x.square().mean()
+
+
+def test_the_recompute_greedy_starts_from_the_step_with_its_duplicates_merged():
+    """Common subexpression elimination before the first round: each block's second tanh is
+    merged into its first; the first point is faster than the scheduled step, peaks no
+    higher, names what it merged, and computes eager's gradients (measured peak =
+    simulated)."""
+    torch.manual_seed(0)
+    step = step_of(Built(TanhTwice().double(), (torch.randn(64, 16, dtype=torch.float64),)))
+    graph = step.graph
+    order = schedule(graph).order
+    pairs = duplicates(graph, order)
+    assert len(pairs) == 3 and all(graph[drop].target is torch.ops.aten.tanh.default for drop, _ in pairs)
+    first = recompute_front(graph, H200, max_rounds=0).points[0]
+    assert {drop for drop, _ in pairs} <= set(first.merged) and not set(first.merged) & set(first.graph.index)
+    assert first.latency_s < estimate_latency(graph, order, H200).total_s
+    assert first.peak_bytes < simulate_memory(graph, order).peak  # one tanh output fewer saved per block
+    assert not first.recomputed
+    assert_runs_like_eager(step, first.graph, first.order)
 
 
 def test_recompute_front_takes_a_layers_worth_of_tensors_in_one_round():
