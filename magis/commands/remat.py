@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             "latency_ratio": point.latency_s / latency,
             "recomputed": list(point.recomputed),
             "swapped": list(point.swapped),
+            "merged": list(point.merged),  # duplicate operators merged before the first round
         }
         if args.run:
             log(f"running plan {i + 1}/{len(result.points)} and eager PyTorch")
