@@ -11,8 +11,7 @@ import pytest
 import torch
 from test_fission import assert_runs_like_eager
 from test_optimize import GeluStack
-from test_scheduling_rules import mlp_step, step_of
-from torch import nn
+from test_scheduling_rules import TanhGeluMLP, mlp_step, step_of
 
 from magis.backend.transfer import Load, Store
 from magis.cli import main
@@ -52,13 +51,9 @@ def test_recompute_front_is_monotone_and_starts_at_the_scheduled_step():
     assert cheap.points[-1].peak_bytes >= front.points[-1].peak_bytes
 
 
-class TanhTwice(nn.Module):
+class TanhTwice(TanhGeluMLP):
     """Each block computes the same ``tanh`` twice: eager runs both, and the captured step
     keeps both outputs for the backward."""
-
-    def __init__(self, blocks: int = 3, width: int = 16) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -73,7 +68,7 @@ def test_the_recompute_greedy_starts_from_the_step_with_its_duplicates_merged():
     higher, names what it merged, and computes eager's gradients (measured peak =
     simulated)."""
     torch.manual_seed(0)
-    step = step_of(Built(TanhTwice().double(), (torch.randn(64, 16, dtype=torch.float64),)))
+    step = step_of(Built(TanhTwice(blocks=3).double(), (torch.randn(64, 16, dtype=torch.float64),)))
     graph = step.graph
     order = schedule(graph).order
     pairs = duplicates(graph, order)

@@ -472,9 +472,11 @@ def shared_copies(graph: Graph, order: Sequence[str], originals: frozenset[str])
     return duplicates(graph, order, originals)
 
 
-def _mutates(node: Node) -> bool:
-    """Whether ``node`` writes into one of its inputs (two such writes are never one)."""
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+def _never_merged(node: Node) -> bool:
+    """An input, a random operator (its numbers are its own), a tensor in host memory, or an
+    operator that writes into one of its inputs (two such writes are never one)."""
+    mutates = isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    return node.is_input or node.random or node.on_host or mutates
 
 
 def duplicates(graph: Graph, order: Sequence[str], left: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
@@ -485,7 +487,7 @@ def duplicates(graph: Graph, order: Sequence[str], left: frozenset[str] = frozen
     found = []
     for name in order:
         node = graph[name]
-        if name in left or node.is_input or node.random or node.on_host or _mutates(node):
+        if name in left or _never_merged(node):
             continue
         keep = first.setdefault(_key(graph, node), name)
         if keep != name and node.fresh_bytes > 0:
@@ -506,7 +508,7 @@ def merged_duplicates(
     recomputes a tensor of every layer makes a shared copy in each: merging them one by
     one would rebuild and simulate the step once per layer."""
     order = tuple(order)
-    rename = _value_numbered(graph, order, dict(pairs), lambda name: name not in left and not _mutates(graph[name]))
+    rename = _value_numbered(graph, order, dict(pairs), lambda name: name not in left)
     new_order = tuple(n for n in order if n not in rename)
     merged = reordered(graph.replace(rename, rename=rename), new_order)
     touched = frozenset(rename) | frozenset(keep for _, keep in pairs)
@@ -534,7 +536,7 @@ def _value_numbered(
     first: dict[str, str] = {}
     for name in order:
         node = graph[name]
-        if name in rename or node.is_input or node.random or node.on_host:
+        if name in rename or _never_merged(node):
             continue
         reads_merged = any(p in rename for p in node.inputs)
         if reads_merged:
