@@ -1,4 +1,7 @@
-"""The ``magis`` command line: one sub-command per module of :mod:`magis.commands`."""
+"""The ``magis`` command line: one sub-command per module of :mod:`magis.commands`.
+
+``magis bench`` is the yardstick's (the ``yardstick`` package beside magis, installed with
+the ``bench`` extra): the command line names its module, the library never imports it."""
 
 from __future__ import annotations
 
@@ -16,8 +19,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fission": ("magis.commands.fission", "list the F-Tree's fission candidates of a workload"),
     "remat": ("magis.commands.remat", "the peak/latency front of recompute-only (or swap-only) plans, by a greedy"),
     "optimize": ("magis.commands.optimize", "search for the plan that fits a memory or latency limit (MAGIS Alg. 3)"),
-    "bench": ("magis.commands.bench", "compare magis with its peers on a workload"),
+    "bench": ("yardstick.command", "compare magis with its peers on a workload"),
 }
+
+#: what to install for a command whose module cannot be imported here
+EXTRAS = {"bench": "pip install -e '.[bench]'  (or: pip install 'magis[bench]')"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,13 +31,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(command)
+        try:
+            importlib.import_module(module).add_arguments(command)
+        except ModuleNotFoundError as missing:
+            if name not in EXTRAS:
+                raise
+            command.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            command.set_defaults(missing=f"needs {missing.name}, which is not installed: {EXTRAS[name]}")
         command.set_defaults(module=module)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "missing", None):
+        print(f"magis {args.command}: error: {args.missing}", file=sys.stderr)
+        return 2
     try:
         return importlib.import_module(args.module).run(args)
     except (ValueError, RuntimeError) as err:

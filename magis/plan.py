@@ -118,13 +118,11 @@ class Plan:
     def plot(self, path: str | Path) -> Path:
         """A PNG of the simulated memory over the step's time, the captured step beside the
         plan (MAGIS Figure 16's picture); returns the path written."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # optional (the "plot" extra); no pyplot: no global state
 
         path = Path(path)
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig = Figure(figsize=(8, 4))
+        ax = fig.subplots()
         baseline_order = tuple(n.name for n in self.baseline.nodes)
         for label, graph, order in (
             ("captured step", self.baseline, baseline_order),
@@ -143,7 +141,6 @@ class Plan:
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
-        plt.close(fig)
         return path
 
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from magis.backend.eager import eager_step, max_relative_error
-from magis.bench.accumulation import gradient_differences
 from magis.frontend.capture import capture
+from yardstick.peers.accumulation import gradient_differences
 
 
 class MaskedTokens(nn.Module):

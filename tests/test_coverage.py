@@ -1,11 +1,11 @@
-"""The CI sample of the coverage sweep (magis.bench.coverage): architectures chosen over a full
+"""The CI sample of the coverage sweep (yardstick.coverage): architectures chosen over a full
 sweep to hold the most distinct operators together, each captured, run and compared with eager."""
 
 from __future__ import annotations
 
 import pytest
 
-from magis.bench.coverage import SAMPLE, Architecture, Summary, Verdict, architectures, check, choose_sample, shrink
+from yardstick.coverage import SAMPLE, Architecture, Summary, Verdict, architectures, check, choose_sample, shrink
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")

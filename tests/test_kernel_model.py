@@ -183,7 +183,7 @@ def test_a_tiny_kernel_costs_its_launch_and_a_huge_one_its_bandwidth() -> None:
 def test_convolutions_and_batch_norm_are_priced_as_measured_on_an_h100() -> None:
     """cuDNN convolutions run below their implicit GEMM's rate and training batch norm makes
     several passes (``CONV_EFFICIENCY``, ``BATCH_NORM_PASSES``, measured with
-    bench/gpu_fidelity.py): each lengthens exactly its own kind of node."""
+    experiments/gpu_fidelity.py): each lengthens exactly its own kind of node."""
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -11,13 +11,13 @@ import pytest
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
-from magis.bench.checkpointing import checkpoint_sqrt_segments
-from magis.bench.compare import Row, best_within, compare, pareto_front
-from magis.bench.methods import METHODS, PEER, MethodUnavailable, Subject, Variant, variants
-from magis.bench.protocol import measure_peak
 from magis.cli import main
 from magis.cost.memory import simulate_memory
 from magis.models import build_workload
+from yardstick.compare import Row, best_within, compare, pareto_front
+from yardstick.methods import METHODS, PEER, MethodUnavailable, Subject, Variant, variants
+from yardstick.peers.checkpointing import checkpoint_sqrt_segments
+from yardstick.protocol import measure_peak
 
 PEERS = [name for name, method in METHODS.items() if method.kind == PEER and not method.opt_in]
 

@@ -16,7 +16,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from magis.backend.runtime import StepResult
-from magis.bench.protocol import Estimate, Rounds, interleaved_timings
+from yardstick.protocol import Estimate, Rounds, interleaved_timings
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
 
@@ -111,7 +111,7 @@ def test_max_repeats_defaults_to_at_least_repeats():
 
 _PAGE_FAULTS_OF_A_FRESH_BLOCK = """
 import resource, sys, torch
-from magis.bench.protocol import keep_freed_memory
+from yardstick.protocol import keep_freed_memory
 kept = sys.argv[1] == "keep" and keep_freed_memory()
 faults = []
 for _ in range(6):

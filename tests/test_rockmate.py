@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from magis.backend.eager import eager_step, max_relative_error
-from magis.bench.methods import METHODS, MethodUnavailable, Subject, Variant, variants
-from magis.bench.rockmate import unavailable_reason
+from yardstick.methods import METHODS, MethodUnavailable, Subject, Variant, variants
+from yardstick.peers.rockmate import unavailable_reason
 
 
 def test_rockmate_is_opt_in_and_says_why_it_cannot_run():

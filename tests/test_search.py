@@ -8,9 +8,6 @@ from test_fission import assert_runs_like_eager, captured, in_float64
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
-from magis.bench import methods
-from magis.bench.methods import METHODS, Subject, variants
-from magis.bench.protocol import measure_peak
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.models import WORKLOADS
@@ -21,6 +18,9 @@ from magis.search.single_fission import (
     fission_numbers,
     single_fission_options,
 )
+from yardstick import methods
+from yardstick.methods import METHODS, Subject, variants
+from yardstick.protocol import measure_peak
 
 
 @pytest.fixture(scope="module")

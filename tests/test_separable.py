@@ -103,7 +103,7 @@ def test_dropout_of_unknown_layout_is_left_alone():
 def test_a_region_can_span_forward_loss_and_backward(name):
     """The F-Tree of the separable step offers a candidate holding the loss and both
     passes (Figure 16's F-Trans covering the whole graph); run at the largest n that
-    divides the batch, it is exact. (Its peak gain is a paper-size figure: bench/fission.py.)"""
+    divides the batch, it is exact. (Its peak gain is a paper-size figure: experiments/fission.py.)"""
     c = captured(in_float64(WORKLOADS[name].build("tiny", seed=0)), separable=True)
     graph = c.graph
     nll = next(

@@ -1,5 +1,5 @@
 """What every CLI command shares: its arguments and printing a report (progress lines,
-tables and loading a workload come from :mod:`magis.bench.console`)."""
+tables and loading a workload come from :mod:`magis.console`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from magis.bench.console import format_table, load_graph, log
+from magis.console import format_table, load_graph, log
 from magis.models import PRESETS
 
 __all__ = ["add_device_argument", "add_workload_arguments", "emit", "format_table", "load_graph", "log", "positive_int"]

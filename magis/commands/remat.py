@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "front": front,
     }
     if args.plot:
-        from magis.bench.plot import plot_front  # matplotlib is optional (the "bench" extra)
+        from magis.plots import plot_front  # matplotlib is optional
 
         points = [(r["peak_ratio"], r["latency_ratio"]) for r in front]
         title = f"{args.model} ({args.preset}, simulated, {device}): {report['rule']}-only front"

@@ -52,7 +52,7 @@ are one direction of a PCIe x16 slot (Gen5: 64 GB/s, Gen4: 32 GB/s); swapping mo
 data one way at a time.
 
 Three constants are not datasheet figures but typical measured behaviour, to be
-calibrated against a real GPU with ``bench/gpu_fidelity.py``:
+calibrated against a real GPU with ``experiments/gpu_fidelity.py``:
 
 - :data:`LAUNCH_OVERHEAD_S`, the host-side cost of one eager PyTorch kernel launch
   (dispatcher plus ``cudaLaunchKernel``), a few microseconds on a modern server CPU;
@@ -94,7 +94,7 @@ GEMM_EFFICIENCY = 0.65
 STREAM_EFFICIENCY = 0.8
 #: throughput of a cuDNN convolution (forward or backward, fp32 tensors in NCHW, TF32
 #: math) relative to a GEMM of its implicit-GEMM shape. Measured on an H100 SXM with
-#: ``python bench/gpu_fidelity.py --preset paper`` (2026-11-22, torch 2.11): U-Net,
+#: ``python experiments/gpu_fidelity.py --preset paper`` (2026-11-22, torch 2.11): U-Net,
 #: U-Net++ and ResNet-50 convolutions ran 2.5-2.7x the GEMM model's time (layout
 #: transforms, im2col-style tiling, per-call heuristics); 0.45 (with the batch norm
 #: passes below) brings the analytic step time of the five paper workloads that fit

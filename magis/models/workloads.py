@@ -305,7 +305,7 @@ def _build_btlm(sizes: dict, batch: int) -> Built:
 #   bert-base     1.06 GiB  6.4 s        gpt-neo-1.3b   1.17 GiB  6.1 s
 #   vit-base      0.78 GiB  6.6 s        btlm-3b        1.25 GiB  6.2 s
 #   unet          0.58 GiB 10.4 s
-# (medians of bench/peers.py's interleaved eager steps, on a machine shared with other jobs)
+# (medians of experiments/peers.py's interleaved eager steps, on a machine shared with other jobs)
 _RESNET50 = dict(embedding=64, hidden_sizes=(256, 512, 1024, 2048), depths=(3, 4, 6, 3), labels=1000)
 _BERT_BASE = dict(vocab=30522, hidden=768, layers=12, heads=12, intermediate=3072, max_positions=512)
 _VIT_BASE = dict(patch=16, hidden=768, layers=12, heads=12, intermediate=3072, labels=1000)

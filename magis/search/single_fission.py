@@ -8,7 +8,7 @@ fission numbers), simulated in the order carried over from the step's schedule.
 :func:`best_single_fission` picks, among the states whose simulated peak fits the
 limit, the one with the fewest parts (the least overhead: fewer, larger kernels and
 fewer partial results to add up), then the lowest peak; when none fits, the lowest
-peak. It is what ``magis-fission`` runs in the yardstick (:mod:`magis.bench.methods`).
+peak. It is what ``magis-fission`` runs in the yardstick (:mod:`yardstick.methods`).
 """
 
 from __future__ import annotations

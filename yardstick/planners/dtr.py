@@ -15,10 +15,10 @@ random value is freed only once no evicted reader may need it, and what read it
 can then no longer be recomputed either: it is not evicted.
 
 :func:`dtr_plan` returns the operations DTR ran, recomputations included, as a
-:class:`~magis.search.remat.RematProblem` sequence, which
-:func:`~magis.search.remat.replay` turns into a graph the simulator scores and the
+:class:`~yardstick.planners.recompute_problem.RematProblem` sequence, which
+:func:`~yardstick.planners.recompute_problem.replay` turns into a graph the simulator scores and the
 runtime runs. Where an operator cannot run within the limit even with every
-evictable value evicted, it raises :class:`~magis.search.remat.DoesNotFit`; so it does
+evictable value evicted, it raises :class:`~yardstick.planners.recompute_problem.DoesNotFit`; so it does
 where DTR thrashes, running more than ``max_runs`` times the step's operators (at a
 tenth of GPT-Neo's peak it ran 760 times them, 390 times eager's latency, in 4 minutes
 of simulation; BTLM's had not ended after 25): a plan no user would run.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from magis.search.remat import DoesNotFit, RematProblem, sequence_peak
+from yardstick.planners.recompute_problem import DoesNotFit, RematProblem, sequence_peak
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ MAX_RUNS = 20
 
 def dtr_plan(problem: RematProblem, limit: int, max_runs: float = MAX_RUNS) -> DTRPlan:
     """Run ``problem``'s units in order under ``limit`` bytes with DTR's eviction policy,
-    giving up (:class:`~magis.search.remat.DoesNotFit`) past ``max_runs`` x its units run."""
+    giving up (:class:`~yardstick.planners.recompute_problem.DoesNotFit`) past ``max_runs`` x its units run."""
     depth = sys.getrecursionlimit()
     sys.setrecursionlimit(max(depth, 4 * len(problem) + 1000))  # a recomputation may reach back through the step
     try:

@@ -12,7 +12,7 @@ total and against the measured step, the same split into GEMM-like operators
 (matmul, convolution, attention) and the rest, and the operators whose two prices
 differ most. Writes JSON.
 
-    python bench/gpu_fidelity.py [--out results/gpu_fidelity.json] [--preset small]
+    python experiments/gpu_fidelity.py [--out results/gpu_fidelity.json] [--preset small]
                                  [--models bert-base,unet] [--profile h100] [--runs 10]
 
 Without CUDA it refuses, saying so.
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=None, help="latency cache to use and keep (default: fresh)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu_fidelity.py needs a CUDA GPU, and torch.cuda.is_available() is False here")
+        raise SystemExit("experiments/gpu_fidelity.py needs a CUDA GPU, and torch.cuda.is_available() is False here")
     device_name = torch.cuda.get_device_name()
     profile = args.profile or detect_profile(device_name)
     if profile is None:

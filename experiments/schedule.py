@@ -9,7 +9,7 @@ seconds scheduling took. Floors: magis is never worse than the captured order, a
 every paper-size workload is scheduled in under 30 s. Writes JSON and a PNG bar
 chart (peaks relative to the captured order) next to it.
 
-    python bench/schedule.py [--out results/schedule.json] [--models bert-base,unet] [--time-limit 20]
+    python experiments/schedule.py [--out results/schedule.json] [--models bert-base,unet] [--time-limit 20]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def measure(name: str, graph: Graph, time_limit: float) -> dict:
 
 def measure_workload(name: str, time_limit: float) -> dict:
     """Capture a paper-size workload on fake tensors and :func:`measure` it (run in a subprocess)."""
-    from magis.bench.console import load_graph
+    from magis.console import load_graph
 
     graph, capture_seconds = load_graph(name, "paper", None)
     row = measure(name, graph, time_limit)

@@ -1,6 +1,6 @@
 """What the benchmark drivers share: one workload per fresh process, and writing results.
 
-Imported by the scripts of this folder (``python bench/<script>.py`` puts the folder
+Imported by the scripts of this folder (``python experiments/<script>.py`` puts the folder
 on ``sys.path``); not part of the magis package.
 """
 

@@ -2,7 +2,7 @@
 
 The step's operators run in a fixed topological order (the captured one), in
 *stages*: stage ``t`` computes operator ``t`` and may first recompute any earlier
-ones. An operator makes one or more *values* (:class:`~magis.search.remat.Value`:
+ones. An operator makes one or more *values* (:class:`~yardstick.planners.recompute_problem.Value`:
 storages freed together; the paper's operators make one). Binary variables:
 
 - ``R[t,k]``: operator ``k`` is computed in stage ``t`` (``R[t,t] = 1``, none after ``t``);
@@ -18,11 +18,11 @@ operator's transient workspace) within the budget; and ``FREE`` is linearised fr
 "``k`` runs, ``v`` is not kept, and no later reader of ``v`` runs in this stage" by
 counting those hazards, as the paper linearises it. The objective is the total
 compute time ``Σ_t Σ_k C_k R[t,k]``. Random ops (dropout) and units viewed by another
-unit are never recomputed (:mod:`magis.search.remat`); outputs are kept to the end,
+unit are never recomputed (:mod:`yardstick.planners.recompute_problem`); outputs are kept to the end,
 and a recomputed operator's copies of them are transient.
 
 Large graphs are coarsened (the paper plans over layer-level graphs): the units of
-:func:`~magis.search.remat.remat_problem` (views folded into their producers) are
+:func:`~yardstick.planners.recompute_problem.remat_problem` (views folded into their producers) are
 grouped into runs of consecutive units, each run one stage, random units alone
 (:func:`stages`). A run's values are those of its units that later runs read; what
 it holds only while it runs (its intermediate values) is its workspace; the bytes
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from magis.search.remat import DoesNotFit, RematProblem, Value
+from yardstick.planners.recompute_problem import DoesNotFit, RematProblem, Value
 
 #: stages above which the units are grouped into runs (HiGHS solves ~60 stages in seconds to a minute)
 DEFAULT_MAX_STAGES = 60
@@ -57,7 +57,7 @@ DEFAULT_TIME_LIMIT_S = 60.0
 class Stages:
     """The values the program schedules: runs of consecutive units of a :class:`RematProblem`.
 
-    ``values`` are the runs' values (:class:`~magis.search.remat.Value` with ``unit`` the
+    ``values`` are the runs' values (:class:`~yardstick.planners.recompute_problem.Value` with ``unit`` the
     run, ``readers`` the later runs), ``made[r]`` and ``reads[r]`` index them; what only
     the run itself reads is no value here but part of its workspace.
     """
@@ -89,7 +89,7 @@ def stages(problem: RematProblem, max_stages: int = DEFAULT_MAX_STAGES, budget: 
     a coarse grouping may turn a budget the units meet into an infeasible program
     (Checkmate's issue #151). A run is therefore never longer than keeps that bound,
     in the schedule without recomputation, within the step's own peak
-    (:attr:`~magis.search.remat.RematProblem.no_remat_peak`): whatever budget that
+    (:attr:`~yardstick.planners.recompute_problem.RematProblem.no_remat_peak`): whatever budget that
     schedule meets, the program meets too. Below it, a run with only its own inputs
     resident must also leave half of ``budget``'s room above the step's parameters and
     outputs to the values kept across it, or no plan could hold any. Runs end early
@@ -252,7 +252,7 @@ def checkmate_plan(
     the time limit leaves at least that plan, with the gap still open. Where the
     grouped program is infeasible, it is grouped again twice as finely, down to one
     unit per stage, within the same time limit. Raises
-    :class:`~magis.search.remat.DoesNotFit` when some unit cannot run within
+    :class:`~yardstick.planners.recompute_problem.DoesNotFit` when some unit cannot run within
     ``budget`` whatever else is freed, when the program is infeasible, or when no
     plan was found within ``time_limit_s``.
     """

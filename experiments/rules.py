@@ -7,7 +7,7 @@ with matmul/conv allowed), swap, Echo's compaction, and the dual rules (de-remat
 de-swap) on the graph after the first remat and swap candidate. Counts and simulated
 bytes only: no timings (they are not figures on a shared machine).
 
-    python bench/rules.py [--preset paper|small|tiny] [--device h200] [--models bert-base,unet]
+    python experiments/rules.py [--preset paper|small|tiny] [--device h200] [--models bert-base,unet]
         [--out results/rules.json]
 """
 

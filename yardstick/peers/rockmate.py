@@ -8,7 +8,7 @@ of blocks, each block's options by an ILP solved with PuLP's CBC) and runs it as
 ``torch.device("cuda")`` (on a CPU-only torch its constructor fails in
 ``torch.cuda.current_stream``). So ``rockmate@B`` runs only where ``rockmate`` imports
 and CUDA is available, and only for real: its schedule is no magis graph, so it has
-no simulation (:class:`~magis.bench.methods.MethodUnavailable` says so).
+no simulation (:class:`~yardstick.methods.MethodUnavailable` says so).
 
 The budget: Rockmate's ``budget`` is bytes for the activations of the step it
 schedules (its README: "keeping activations under the given budget"); parameters,
@@ -28,7 +28,7 @@ Measured on an H100 with torch 2.11 (2026-11-22, ``.gpu``-carried wheels of rock
 the small preset nor btlm-3b at tiny. ``torch.export``'s code did not parse (a lifted
 constant tensor it cannot place, ``VariableInfo`` without ``requires_grad``) and the
 TorchScript fallback failed on a dtype it could not read or on a tuple output. The
-method then raises :class:`~magis.bench.methods.MethodUnavailable` with both errors, so
+method then raises :class:`~yardstick.methods.MethodUnavailable` with both errors, so
 the yardstick names the failure instead of running a different step.
 """
 

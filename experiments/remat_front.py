@@ -4,7 +4,7 @@ For each of the seven workloads (one subprocess each): the front of recompute-on
 plans the greedy of :func:`magis.search.rule_front.recompute_front` reaches from the
 captured step in its memory-optimal order (Echo's cheap operators first, matrix
 products and convolutions where they pay), beside the yardstick's recompute
-baselines from :mod:`magis.bench.methods`: ``checkpoint-block``, ``checkpoint-sqrt``
+baselines from :mod:`yardstick.methods`: ``checkpoint-block``, ``checkpoint-sqrt``
 and ``compile@B`` (torch.compile's min-cut partitioner under an activation memory
 budget B). Everything is simulated: magis' memory simulator and the ``--device``
 profile's latency model (``h200`` by default), peaks and latencies as ratios to
@@ -27,7 +27,7 @@ gradient difference from eager PyTorch). No timings are taken: simulated figures
 only, so a loaded machine changes how far the greedy gets in ``--time-budget``, not
 the figures of the points it reaches.
 
-    python bench/remat.py [--models bert-base,unet] [--presets paper,small] [--device h200]
+    python experiments/remat_front.py [--models bert-base,unet] [--presets paper,small] [--device h200]
         [--time-budget 300] [--max-ops 4] [--out results/remat]
 
 The summary reads every ``<workload>-<preset>.json`` in ``--out``, so workloads can be run
@@ -57,12 +57,12 @@ def front_of(name: str, preset: str, device: str, time_budget: float, max_ops: i
     """The recompute-only front of one workload and the baselines' points, in this process
     (its PNG written to ``out``)."""
     from magis.api import measure_against_eager
-    from magis.bench.compare import Row, best_within, compare
-    from magis.bench.methods import MAGIS, Subject
-    from magis.bench.plot import plot_front
     from magis.cost.latency import cost_model, estimate_latency
     from magis.cost.memory import simulate_memory
+    from magis.plots import plot_front
     from magis.search.rule_front import recompute_front
+    from yardstick.compare import Row, best_within, compare
+    from yardstick.methods import MAGIS, Subject
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     model = cost_model(device)

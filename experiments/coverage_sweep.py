@@ -1,12 +1,12 @@
 """The coverage sweep: every small transformers architecture and diffusers' three models,
-captured and trained by magis against eager PyTorch (see magis/bench/coverage.py).
+captured and trained by magis against eager PyTorch (see yardstick/coverage.py).
 
 Each architecture runs in a forked child (its own memory; killed past --timeout);
 results go to results/coverage.json and a markdown table results/coverage.md.
 
-    python bench/coverage.py                     # the full sweep (about an hour on 2 cores)
-    python bench/coverage.py --sample            # the CI sample: distinct op sets, a few minutes
-    python bench/coverage.py --only Bert,T5      # class names containing any of these
+    python experiments/coverage_sweep.py                     # the full sweep (about an hour on 2 cores)
+    python experiments/coverage_sweep.py --sample            # the CI sample: distinct op sets, a few minutes
+    python experiments/coverage_sweep.py --only Bert,T5      # class names containing any of these
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from driver import write_json
 from tqdm import tqdm
 
-from magis.bench.coverage import (
+from yardstick.coverage import (
     SAMPLE,
     SAMPLE_SIZE,
     Architecture,

@@ -9,13 +9,13 @@ import logging
 
 import pytest
 
-from magis.bench.methods import Subject
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.models import build_workload, random_randwire_graph, random_training_graph
-from magis.search.checkmate import Stages, checkmate_plan, stages
-from magis.search.dtr import dtr_plan
-from magis.search.remat import DoesNotFit, RematProblem, remat_problem, replay, sequence_peak
+from yardstick.methods import Subject
+from yardstick.planners.checkmate import Stages, checkmate_plan, stages
+from yardstick.planners.dtr import dtr_plan
+from yardstick.planners.recompute_problem import DoesNotFit, RematProblem, remat_problem, replay, sequence_peak
 
 
 def _cost(name: str) -> float:

@@ -3,7 +3,7 @@
 For every workload of ``magis.models.WORKLOADS``:
 
 - preset ``small``: every method runs for real on this machine (peak from the
-  live-tensor meter, latency by the interleaved protocol of ``magis.bench.protocol``,
+  live-tensor meter, latency by the interleaved protocol of ``yardstick.protocol``,
   gradients checked against eager PyTorch);
 - preset ``paper`` (Table 2 of the MAGIS paper): every method's graph goes through
   magis' simulator, latency priced on a device profile (``h200`` by default).
@@ -16,13 +16,13 @@ own, when its methods were run: e.g.
 ``--methods eager,magis-scheduled,magis-fission --out results/magis``), and how
 Checkmate's programs were solved (status, gap, seconds, per budget).
 
-    python bench/peers.py [--out results/peers] [--models bert-base,unet] [--presets small,paper]
+    python experiments/peers.py [--out results/peers] [--models bert-base,unet] [--presets small,paper]
                           [--methods eager,checkpoint-block,...] [--budget 1 0.5 0.1]
                           [--repeats 5] [--device h200]
 
 The summary reads every ``<workload>-<preset>.json`` in ``--out``, so the presets
 can be run by separate invocations (``--models ""`` only prints the summary); the
-comparisons ``bench/optimize.py`` writes have the same form, their peers' rows read alike.
+comparisons ``experiments/optimize.py`` writes have the same form, their peers' rows read alike.
 
 Progress lines go to stderr; the summary table to stdout.
 """
@@ -36,12 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-from magis.bench.compare import Comparison, Row, best_within, compare
-from magis.bench.console import format_table, log
-from magis.bench.methods import DEFAULT_BUDGETS, MAGIS, METHODS, PEER
-from magis.bench.plot import plot_tradeoff
-from magis.bench.protocol import Rounds
+from magis.console import format_table, log
 from magis.models import WORKLOADS
+from yardstick.compare import Comparison, Row, best_within, compare
+from yardstick.methods import DEFAULT_BUDGETS, MAGIS, METHODS, PEER
+from yardstick.plot import plot_tradeoff
+from yardstick.protocol import Rounds
 
 #: the presets run, and how each is figured
 PRESETS = {"small": "small (measured)", "paper": "paper (simulated)"}

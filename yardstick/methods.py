@@ -3,9 +3,9 @@
 Every method gives, for a workload at a preset (a :class:`Subject`), two things:
 
 - ``real(subject, budget)``: a :class:`Runnable`, a
-  :data:`~magis.bench.protocol.Step` that runs one training step for real and
+  :data:`~yardstick.protocol.Step` that runs one training step for real and
   returns the loss and the gradients (checked against eager PyTorch's by
-  :mod:`magis.bench.compare`), and the model whose weights it uses;
+  :mod:`yardstick.compare`), and the model whose weights it uses;
 - ``simulate(subject, budget)``: the graph and operator order the method would run,
   for magis' simulator (peak memory) and cost model (latency).
 
@@ -19,22 +19,22 @@ Peers (what a practitioner reaches for today):
 - ``eager`` — plain PyTorch: forward, loss, ``backward()``. The reference.
 - ``checkpoint-block`` — activation checkpointing of every block:
   transformers' ``gradient_checkpointing_enable()``, or ``torch.utils.checkpoint``
-  around each block of other models (:mod:`magis.bench.checkpointing`).
+  around each block of other models (:mod:`yardstick.peers.checkpointing`).
 - ``checkpoint-sqrt`` — √n segments of blocks, each checkpointed (Chen et al. 2016).
 - ``compile`` — ``torch.compile``'s min-cut partitioner under
-  ``torch._functorch.config.activation_memory_budget`` (:mod:`magis.frontend.partitioned`).
+  ``torch._functorch.config.activation_memory_budget`` (:mod:`yardstick.peers.partitioned_capture`).
 - ``accumulate`` — gradient accumulation over k micro-batches (``accumulate@4``), one
   variant per divisor k > 1 of the batch, and the combinations a practitioner
   stacks: ``accumulate@4+checkpoint-block``, ``accumulate@4+compile@0.5``
-  (:mod:`magis.bench.accumulation`). Where that is not the full batch's gradient
+  (:mod:`yardstick.peers.accumulation`). Where that is not the full batch's gradient
   (batch norm, dropout, masked labels) the row's ``gradient_note`` says why.
 - ``checkmate`` — Checkmate's optimal rematerialization (MILP, HiGHS) of the captured
-  step within ``budget`` (:mod:`magis.search.checkmate`); the row's ``details`` give the
+  step within ``budget`` (:mod:`yardstick.planners.checkmate`); the row's ``details`` give the
   solver status, the gap left and the solve time.
 - ``dtr`` — Dynamic Tensor Rematerialization's eviction policy simulated on the
-  captured step within ``budget`` (:mod:`magis.search.dtr`).
+  captured step within ``budget`` (:mod:`yardstick.planners.dtr`).
 - ``rockmate`` — Rockmate 2.0's schedule (rotor + ILP, the ``rockmate`` package) within ``B``
-  times eager's measured activations on the GPU (:mod:`magis.bench.rockmate`). Opt-in
+  times eager's measured activations on the GPU (:mod:`yardstick.peers.rockmate`). Opt-in
   (``--methods rockmate``; not in the default set) and measured only: it needs
   ``rockmate`` and CUDA, and is skipped with the reason otherwise; it has no simulation.
 
@@ -75,27 +75,27 @@ import torch
 
 from magis.backend.eager import eager_step, split_batch
 from magis.backend.runtime import StepResult, lower, run_program
-from magis.bench.accumulation import accumulated_graph, gradient_differences
-from magis.bench.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
-from magis.bench.protocol import Step
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import CaptureError, LossFn, capture, default_loss
-from magis.frontend.checkpointed import capture_checkpointed
-from magis.frontend.partitioned import (
+from magis.ir.graph import Graph
+from magis.models import Built, build_workload, get_workload
+from magis.search.m_optimizer import DEFAULT_MAX_STATES, Mode, Objective, SearchResult, m_optimize
+from magis.search.single_fission import SingleFission, choose_within, single_fission_options
+from yardstick.peers.accumulation import accumulated_graph, gradient_differences
+from yardstick.peers.checkpointed_capture import capture_checkpointed
+from yardstick.peers.checkpointing import checkpoint_every_block, checkpoint_sqrt_segments
+from yardstick.peers.partitioned_capture import (
     GraphRecorder,
     capture_partitioned,
     check_budget,
     compile_backend,
     memory_budget,
 )
-from magis.ir.graph import Graph
-from magis.models import Built, build_workload, get_workload
-from magis.search.checkmate import CheckmatePlan, checkmate_plan
-from magis.search.dtr import DTRPlan, dtr_plan
-from magis.search.m_optimizer import DEFAULT_MAX_STATES, Mode, Objective, SearchResult, m_optimize
-from magis.search.remat import DoesNotFit, RematProblem, remat_problem, replay
-from magis.search.single_fission import SingleFission, choose_within, single_fission_options
+from yardstick.planners.checkmate import CheckmatePlan, checkmate_plan
+from yardstick.planners.dtr import DTRPlan, dtr_plan
+from yardstick.planners.recompute_problem import DoesNotFit, RematProblem, remat_problem, replay
+from yardstick.protocol import Step
 
 #: what ``simulate`` returns: a graph and the order of its nodes the method runs
 Simulated = tuple[Graph, Sequence[str]]
@@ -563,7 +563,7 @@ def _remat(planner: str) -> tuple[Callable, Callable, Callable]:
 
 def _rockmate_step(subject: Subject, budget: float) -> Any:
     """Rockmate's module for ``subject`` at ``budget`` on the GPU (built and solved once per budget)."""
-    from magis.bench import rockmate
+    from yardstick.peers import rockmate
 
     reason = rockmate.unavailable_reason()
     if reason is not None:

@@ -17,7 +17,7 @@ Timing: the graph's own IR caches (predecessors, consumers, storages), which eve
 pass shares and the search computes anyway to simulate a state, are built before
 either scheduler is timed; each scheduler starts from its own copy of the graph.
 
-    python bench/incremental.py [--graphs 10] [--rewrites 10] [--cells 20] [--out results/incremental.json]
+    python experiments/incremental.py [--graphs 10] [--rewrites 10] [--cells 20] [--out results/incremental.json]
 """
 
 from __future__ import annotations

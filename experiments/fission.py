@@ -11,7 +11,7 @@ lowest peak one candidate reaches within 10% latency overhead, as JSON and a PNG
 Floors: the F-Tree is built in under 10 s per workload; on unet and bert-base one
 enabled node lowers the simulated peak by at least 20%.
 
-    python bench/fission.py [--out results/fission.json] [--models bert-base,unet]
+    python experiments/fission.py [--out results/fission.json] [--models bert-base,unet]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ OVERHEAD = 0.10  # latency overhead of the "within_overhead" figure
 
 def measure(name: str, device: str, schedule_seconds: float) -> dict[str, Any]:
     """Capture ``name`` at the paper preset and survey its F-Tree candidates."""
-    from magis.bench.console import load_graph, log
+    from magis.console import load_graph, log
     from magis.cost.latency import cost_model
     from magis.search.single_fission import survey
 

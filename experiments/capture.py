@@ -5,7 +5,7 @@ node count, capture and simulation seconds, simulated peak of the captured order
 and the process's peak resident memory. Targets on a 2-core machine: under 60 s
 and under 4 GiB RSS per workload.
 
-    python bench/capture.py [--out results/capture.json] [--models bert-base,unet]
+    python experiments/capture.py [--out results/capture.json] [--models bert-base,unet]
 """
 
 from __future__ import annotations

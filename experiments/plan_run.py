@@ -8,7 +8,7 @@ eager step of the same model and batch: measured peak (the meter of
 CUDA) and step time (median of ``--runs``), gradients compared with eager's, and the
 plan's simulated peak and latency. Writes JSON.
 
-    python bench/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
+    python experiments/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
                              [--limits 0.8,0.6] [--time-budget 60] [--out results/plan_run.json]
 """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from magis.bench.compare import DEFAULT_DEVICE, compare
-from magis.bench.methods import DEFAULT_BUDGETS, METHODS
-from magis.bench.protocol import DEFAULT_MAX_REPEATS, DEFAULT_PRECISION, DEFAULT_REPEATS, DEFAULT_WARMUP, Rounds
 from magis.commands.common import add_workload_arguments, emit, log, positive_int
+from yardstick.compare import DEFAULT_DEVICE, compare
+from yardstick.methods import DEFAULT_BUDGETS, METHODS
+from yardstick.protocol import DEFAULT_MAX_REPEATS, DEFAULT_PRECISION, DEFAULT_REPEATS, DEFAULT_WARMUP, Rounds
 
 OPT_IN = [name for name, method in METHODS.items() if method.opt_in]
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         progress=log,
     )
     if args.plot:
-        from magis.bench.plot import plot_tradeoff  # matplotlib is optional (the "bench" extra)
+        from yardstick.plot import plot_tradeoff  # matplotlib is optional (the "bench" extra)
 
         log(f"plot written to {plot_tradeoff(comparison, args.plot)}")
     emit(comparison.to_json(), args.json)

@@ -1,7 +1,7 @@
 """MAGIS §7's two experiments (Fig. 9 and 10): the M-Optimizer beside every peer, per workload.
 
 For each workload at each preset, one comparison of the yardstick
-(:func:`magis.bench.compare.compare`): eager, the peers, and the M-Optimizer in both
+(:func:`yardstick.compare.compare`): eager, the peers, and the M-Optimizer in both
 of its modes, ``magis-optimize-lat@L`` for each ``--latency-limits`` L (Fig. 9: the
 lowest peak within L times the captured step's latency) and ``magis-optimize@M`` for
 each ``--memory-limits`` M (Fig. 10: the lowest latency within M times its peak).
@@ -22,7 +22,7 @@ Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane
 - (d) measured presets: the largest difference between a plan's measured latency ratio
   and the one the search simulated, in points (measured minus simulated).
 
-    python bench/optimize.py [--models bert-base,unet] [--presets paper,small]
+    python experiments/optimize.py [--models bert-base,unet] [--presets paper,small]
                              [--peers eager,accumulate,compile,...] [--budget 1 0.5 0.1]
                              [--latency-limits 1.05 1.10] [--memory-limits 0.8 0.6 0.4]
                              [--peers-from results/optimize] [--out results/optimize]
@@ -33,7 +33,7 @@ simulating them again (most of a paper-size run), with ``--peers eager``; it ref
 measured preset, whose figures belong to the run that took them, and a run made for
 another device profile.
 
-The search runs with the yardstick's budget (60 s, ``magis.bench.methods.OPTIMIZE_SECONDS``):
+The search runs with the yardstick's budget (60 s, ``yardstick.methods.OPTIMIZE_SECONDS``):
 time it on a quiet machine. Progress lines go to stderr; the summary table to stdout.
 """
 
@@ -48,12 +48,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from magis.bench.compare import Comparison, Row, best_within, compare
-from magis.bench.console import format_table, log
-from magis.bench.methods import DEFAULT_BUDGETS, LATENCY_LIMITS, MAGIS, METHODS, PEER
-from magis.bench.plot import plot_tradeoff
-from magis.bench.protocol import Rounds
+from magis.console import format_table, log
 from magis.models import WORKLOADS
+from yardstick.compare import Comparison, Row, best_within, compare
+from yardstick.methods import DEFAULT_BUDGETS, LATENCY_LIMITS, MAGIS, METHODS, PEER
+from yardstick.plot import plot_tradeoff
+from yardstick.protocol import Rounds
 
 PRESETS = ("paper", "small", "tiny")
 #: the peers by default: every one a user would try (Rockmate only where asked for)

@@ -9,7 +9,7 @@ the same order through the magis runtime and time it (median of at least ``--run
 steps and ``--min-seconds`` after warm-up), and report the relative error (simulated - measured) / measured. The
 step is timed in wall-clock and in process CPU time: on a machine shared with other
 work the wall time includes waiting for a core, which no per-operator profile can
-predict. As in every magis timing (``magis.bench.protocol``), the C allocator keeps
+predict. As in every magis timing (``yardstick.protocol``), the C allocator keeps
 freed memory, so a step pays no page faults that the per-operator profile cannot see.
 With ``--rounds R`` the whole measurement (a fresh profile, then the step timed)
 runs R times in turn over the workloads, and each workload reports the round of
@@ -23,7 +23,7 @@ as a search estimates it (``estimate_unseen``: operators never timed priced from
 kin), as the step timed in place prices it, and measured, each as a ratio to the
 captured step's (``fissions`` in each workload's row).
 
-    python bench/sim_fidelity.py [--out results/sim_fidelity.json] [--presets tiny,small]
+    python experiments/sim_fidelity.py [--out results/sim_fidelity.json] [--presets tiny,small]
                                  [--models bert-base,unet] [--device cpu] [--threads 1]
                                  [--runs 20] [--min-seconds 2] [--rounds 1]
                                  [--cache PATH] [--fissions]
@@ -45,13 +45,13 @@ import torch
 from driver import write_json
 
 from magis.backend.runtime import lower, run_program
-from magis.bench.protocol import keep_freed_memory
 from magis.cost.latency import ProfiledCostModel, estimate_latency
 from magis.frontend.capture import CaptureError, capture
 from magis.ir.graph import Graph
 from magis.models import WORKLOADS, Built
 from magis.rules.ftree_mutation import apply_ftree
 from magis.search.single_fission import fission_numbers, separable_step
+from yardstick.protocol import keep_freed_memory
 
 
 def to_device(built: Built, device: torch.device) -> Built:

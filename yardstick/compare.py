@@ -1,7 +1,7 @@
 """Compare methods on one workload: peak memory and latency, each as a ratio to eager PyTorch.
 
 Measured (presets tiny and small): every method's step runs for real, through
-:mod:`magis.bench.protocol` — one metered step each, gradients checked against
+:mod:`yardstick.protocol` — one metered step each, gradients checked against
 eager's, then interleaved timing rounds. Simulated (preset paper, or on request):
 every method's graph and order go through magis' memory simulator and latency
 cost model (a named device profile, ``h200`` by default).
@@ -19,8 +19,11 @@ import torch
 
 from magis.backend.eager import GRADIENT_TOLERANCE, compare_gradients
 from magis.backend.meter import resident_tensors
-from magis.bench import protocol
-from magis.bench.methods import (
+from magis.cost.latency import CostModel, cost_model, estimate_latency
+from magis.cost.memory import simulate_memory
+from magis.models import get_workload
+from yardstick import protocol
+from yardstick.methods import (
     DEFAULT_BUDGETS,
     DEFAULT_DEVICE,
     PEER,
@@ -30,10 +33,7 @@ from magis.bench.methods import (
     Variant,
     variants,
 )
-from magis.bench.protocol import DEFAULT_ROUNDS, Rounds, Spread
-from magis.cost.latency import CostModel, cost_model, estimate_latency
-from magis.cost.memory import simulate_memory
-from magis.models import get_workload
+from yardstick.protocol import DEFAULT_ROUNDS, Rounds, Spread
 
 #: latency overhead under which :func:`best_within` looks for the lowest peak
 OVERHEAD = 0.10
@@ -111,8 +111,8 @@ def compare(
     ``simulate`` defaults to True for the paper preset (fake weights) and False
     otherwise; ``device`` names the cost model of simulated latencies (default
     ``h200``). Measured runs use ``threads`` intra-op threads (``None``: torch's
-    default); with one, latency is CPU time (see :mod:`magis.bench.protocol`),
-    timed over ``rounds`` (see :class:`magis.bench.protocol.Rounds`).
+    default); with one, latency is CPU time (see :mod:`yardstick.protocol`),
+    timed over ``rounds`` (see :class:`yardstick.protocol.Rounds`).
     ``budgets`` apply to budgeted methods. Raises ValueError for an unknown
     workload, method or device, or a budget outside ``(0, 1]``.
     """
