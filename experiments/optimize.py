@@ -33,7 +33,7 @@ simulating them again (most of a paper-size run), with ``--peers eager``; it ref
 measured preset, whose figures belong to the run that took them, and a run made for
 another device profile.
 
-The search runs with the yardstick's budget (60 s, ``yardstick.methods.OPTIMIZE_SECONDS``):
+The search runs with the yardstick's budget (60 s, ``yardstick.methods.magis_methods.OPTIMIZE_SECONDS``):
 time it on a quiet machine. Progress lines go to stderr; the summary table to stdout.
 """
 

@@ -80,7 +80,7 @@ def measure_workload(name: str, preset: str, device: torch.device, limits: list[
             gradients = _plan_step(plan, model, batch)
         versus = compare_gradients({**reference.gradients, "<loss>": reference.loss}, gradients)
         step_s = _timed(lambda plan=plan: _plan_step(plan, model, batch), args.runs, device)
-        report = plan.report()
+        report = plan.report().to_dict()
         rows.append(
             {
                 "memory_limit": limit,

@@ -1,22 +1,31 @@
-"""The public face of magis: capture a training step, profile it, optimize it."""
+"""The public face of magis: capture a training step, profile it, optimize it.
+
+The step is the user's, as they write it (docs/design.md, "The user's side of the
+contract"): the batch as their DataLoader yields it (a tuple of positional arguments,
+a mapping of keyword arguments, or one tensor) and ``loss_fn(output)`` or their own
+``training_step(model, *batch)`` (:mod:`magis.frontend.step`).
+"""
 
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from magis.backend.eager import buffers_snapshot, compare_gradients, eager_step, restore_buffers
-from magis.backend.meter import peak_meter
-from magis.backend.runtime import run_step
+from magis.backend.eager import compare_gradients
+from magis.backend.verify import Verification, forked_rng, run_both, verify_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
-from magis.frontend.capture import LossFn, capture, capture_timed
-from magis.ir.graph import Graph, Role
+from magis.frontend.capture import capture, capture_timed
+from magis.frontend.conditions import Conditions, warn_if_evaluating
+from magis.frontend.grad_seed import with_grad_seed
+from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, user_model
+from magis.ir.graph import Graph
 from magis.plan import InfeasibleLimit, Plan
 from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, m_optimize
 
@@ -24,6 +33,8 @@ from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, m_optimize
 DEFAULT_LATENCY_RATIO = 1.10
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: ProfileReport's keys that only a run (``run=True``) fills
+_RUN_KEYS = ("measured_peak_bytes", "eager_peak_bytes", "max_grad_error", "missing_gradients", "extra_gradients")
 
 
 def is_fake(model: torch.nn.Module) -> bool:
@@ -31,56 +42,95 @@ def is_fake(model: torch.nn.Module) -> bool:
     return any(isinstance(p, FakeTensor) or p.device.type == "meta" for p in model.parameters())
 
 
+@dataclass(frozen=True)
+class ProfileReport:
+    """What :func:`profile` returns; :meth:`to_dict` is its JSON form.
+
+    The simulated figures of the captured step in its captured order; with ``run=True``
+    also both measured peaks (the magis runtime's and eager PyTorch's), the largest
+    relative gradient difference (the loss counts as one more gradient) and the
+    parameters whose gradient only one of the two computed (:func:`measure_against_eager`).
+    """
+
+    model: str
+    nodes: int
+    weight_bytes: int
+    persistent_bytes: int
+    simulated_peak_bytes: int
+    simulated_latency_s: float
+    device: str
+    capture_seconds: float
+    simulate_seconds: float
+    measured_peak_bytes: int | None = None
+    eager_peak_bytes: int | None = None
+    max_grad_error: float | None = None
+    missing_gradients: list[str] | None = None
+    extra_gradients: list[str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: the run's keys only where the step ran."""
+        ran = self.measured_peak_bytes is not None
+        return {k: v for k, v in asdict(self).items() if ran or k not in _RUN_KEYS}
+
+
 def profile(
     model: torch.nn.Module,
-    example_inputs: Sequence[Any],
+    batch: Any,
     loss_fn: LossFn | None = None,
+    *,
+    training_step: TrainingStep | None = None,
     run: bool = False,
     device: str | None = None,
     seed: int = 0,
-) -> dict[str, Any]:
+) -> ProfileReport:
     """Capture the training step and report its size, simulated peak and latency.
 
+    ``batch``, ``loss_fn`` and ``training_step`` are the user's step (module docstring).
     ``device`` names the latency cost model: ``"cpu"``/``"cuda"`` (profiled on this
     machine) or a device profile such as ``"h200"``; by default the local device, or
     ``"h200"`` for a model on fake tensors. With ``run=True`` the step also runs for
     real, through the magis runtime and as plain eager PyTorch, and the report adds
     both measured peaks and the largest relative gradient difference.
     """
+    UserStep(loss_fn, training_step)  # both given: an error before the capture
+    model = user_model(model)
     fake = is_fake(model)
     if run and fake:
         raise ValueError("run=True needs real weights: this model is on fake or meta tensors")
     device = device or ("h200" if fake else _local_device(model))
     latency_model = cost_model(device)  # an unknown device fails here, before the capture
-    captured = capture_timed(model, example_inputs, loss_fn)
+    captured = capture_timed(model, batch, loss_fn, training_step=training_step)
     graph = captured.graph
     order = [n.name for n in graph.nodes]
     start = time.perf_counter()
     memory = simulate_memory(graph, order)
     latency = estimate_latency(graph, order, latency_model)
-    report: dict[str, Any] = {
-        "model": type(model).__name__,
-        "nodes": len(graph),
-        "weight_bytes": graph.summary()["weight_bytes"],
-        "persistent_bytes": memory.persistent_bytes,
-        "simulated_peak_bytes": memory.peak,
-        "simulated_latency_s": latency.total_s,
-        "device": device,
-        "capture_seconds": captured.seconds,
-        "simulate_seconds": time.perf_counter() - start,
-    }
-    if run:
-        report.update(measure_against_eager(graph, order, model, example_inputs, loss_fn, seed))
-    return report
+    measured = (
+        measure_against_eager(graph, order, model, batch, loss_fn, seed, training_step=training_step) if run else {}
+    )
+    return ProfileReport(
+        model=type(model).__name__,
+        nodes=len(graph),
+        weight_bytes=graph.summary()["weight_bytes"],
+        persistent_bytes=memory.persistent_bytes,
+        simulated_peak_bytes=memory.peak,
+        simulated_latency_s=latency.total_s,
+        device=device,
+        capture_seconds=captured.seconds,
+        simulate_seconds=time.perf_counter() - start,
+        **measured,
+    )
 
 
 def measure_against_eager(
     graph: Graph,
     order: Sequence[str],
     model: torch.nn.Module,
-    example_inputs: Sequence[Any],
+    batch: Any,
     loss_fn: LossFn | None,
     seed: int = 0,
+    *,
+    training_step: TrainingStep | None = None,
 ) -> dict[str, Any]:
     """Run the step twice from the same state and seed: eager PyTorch, then the magis runtime.
 
@@ -88,25 +138,16 @@ def measure_against_eager(
     loss counts as one more gradient) and the parameters whose gradient only one of
     the two computed: ``missing_gradients`` (eager has one, magis not: that parameter
     would never train) and ``extra_gradients``. With any of those, ``max_grad_error``
-    is infinite. The model's buffers are left as before.
+    is infinite. The model's buffers, gradients and the generators are left as before.
     """
-    snapshot = buffers_snapshot(model)
-    with peak_meter(model, example_inputs) as meter:
-        torch.manual_seed(seed)
-        reference = eager_step(model, example_inputs, loss_fn)
-    eager_peak = meter.peak_bytes
-    restore_buffers(model, snapshot)
-    constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
-    with peak_meter(model, [*example_inputs, *constants]) as meter:
-        torch.manual_seed(seed)
-        result = run_step(graph, model, example_inputs, order)
-    restore_buffers(model, snapshot)
+    both = run_both(graph, order, model, batch, UserStep(loss_fn, training_step), seed, measure=True)
     comparison = compare_gradients(
-        {**reference.gradients, "<loss>": reference.loss}, {**result.gradients, "<loss>": result.loss}
+        {**both.reference.gradients, "<loss>": both.reference.loss},
+        {**both.result.gradients, "<loss>": both.result.loss},
     )
     return {
-        "measured_peak_bytes": meter.peak_bytes,
-        "eager_peak_bytes": eager_peak,
+        "measured_peak_bytes": both.measured_peak_bytes,
+        "eager_peak_bytes": both.eager_peak_bytes,
         "max_grad_error": comparison.max_error if comparison.same_names else float("inf"),
         "missing_gradients": list(comparison.missing),
         "extra_gradients": list(comparison.extra),
@@ -115,18 +156,27 @@ def measure_against_eager(
 
 def optimize(
     model: torch.nn.Module,
-    example_inputs: Sequence[Any],
+    batch: Any,
     loss_fn: LossFn | None = None,
     *,
+    training_step: TrainingStep | None = None,
     memory_limit: int | str | float | None = None,
     latency_limit: float | None = None,
     time_budget: float = 60.0,
     device: str | None = None,
     seed: int = 0,
     max_states: int = DEFAULT_MAX_STATES,
+    verify: bool = True,
     progress: bool = True,
 ) -> Plan:
     """Capture the training step and search for the plan MAGIS Algorithm 3 finds best.
+
+    ``batch`` is an example batch as the DataLoader yields it and ``loss_fn`` or
+    ``training_step`` the step (module docstring); the plan is called the same way,
+    ``plan(*batch)`` (``plan(batch)`` for a mapping or one tensor), on batches of the
+    same structure, shapes and dtypes, with the submodules in the modes and under the
+    autocast state of this call (a model in eval mode is planned as in evaluation, with
+    a warning).
 
     ``memory_limit`` (memory-limit mode: the lowest latency whose simulated peak fits):
     bytes as an int, a string such as ``"6GiB"``/``"512MiB"``/``"2GB"``, or a float in
@@ -134,6 +184,12 @@ def optimize(
     (latency-limit mode: the lowest peak within it): a float >= 1, a ratio to the
     captured step's simulated latency. Neither: latency-limit mode at 1.10. Both:
     memory-limit mode, and the plan must meet the latency limit too.
+
+    Before the search the captured step is checked against eager PyTorch on the example
+    batch (:func:`~magis.backend.verify.verify_step`: the loss, every gradient and buffer
+    update, from the same seed; the model is left as it was): a step that differs raises
+    :class:`~magis.backend.verify.CaptureMismatch`. ``verify=False`` skips the check; a
+    model on fake or meta tensors is not checked; ``plan.report()`` says which.
 
     ``device`` names the latency cost model as in :func:`profile`; on a device profiled
     here (``"cpu"``, ``"cuda"``) the captured step is timed and the operators of the
@@ -143,8 +199,12 @@ def optimize(
     deterministic: same inputs, seed and limits give the same plan); it runs with
     torch's generator seeded with ``seed`` and leaves the caller's generator as it
     was; ``progress`` shows a bar with the best peak and latency so far and the states
-    explored. A limit no plan meets raises :class:`~magis.plan.InfeasibleLimit`.
+    explored (``progress=False``: nothing is printed). A limit no plan meets raises
+    :class:`~magis.plan.InfeasibleLimit`, whose ``best`` is the best plan found.
     """
+    model = user_model(model)
+    step = UserStep(loss_fn, training_step)  # bad input fails before the capture
+    spec = BatchSpec.of(batch)
     if latency_limit is not None and (isinstance(latency_limit, bool) or not latency_limit >= 1.0):
         raise ValueError(f"latency_limit is a ratio to the captured step's latency, at least 1; got {latency_limit!r}")
     if not time_budget > 0:
@@ -152,13 +212,17 @@ def optimize(
     memory_bytes = None if memory_limit is None else _memory_limit(memory_limit)  # bad options fail before capture
     fake = is_fake(model)
     device = device or ("h200" if fake else _local_device(model))
-    latency_model = cost_model(device, estimate_unseen=True)  # the captured step is timed, the rest estimated
-    with torch.random.fork_rng(devices=[]):
+    # the captured step is timed, the rest estimated
+    latency_model = cost_model(device, estimate_unseen=True, progress=progress)
+    warn_if_evaluating(model)
+    conditions = Conditions.of(model)
+    with forked_rng(model):
         torch.manual_seed(seed)
-        graph = capture(model, example_inputs, loss_fn)
-        captured = [n.name for n in graph.nodes]
-        memory = simulate_memory(graph, captured)
-        latency = estimate_latency(graph, captured, latency_model).total_s
+        captured = capture(model, batch, loss_fn, training_step=training_step)
+        graph, grad_seed = with_grad_seed(captured, torch.device("cpu") if fake else next(model.parameters()).device)
+        order = [n.name for n in graph.nodes]
+        memory = simulate_memory(graph, order)
+        latency = estimate_latency(graph, order, latency_model).total_s
         objective = _objective(memory_bytes, latency_limit, memory.peak, latency)
         floor = floor_bytes(graph, memory)
         if objective.memory_bytes is not None and objective.memory_bytes < floor:
@@ -166,11 +230,10 @@ def optimize(
                 f"memory limit {_mib(objective.memory_bytes)} is below the floor of this step, "
                 f"{_mib(floor)} (weights + gradients + inputs)"
             )
+        verification = _verification(graph, memory, model, batch, step, seed, verify)
         result = m_optimize(graph, objective, latency_model, time_budget, max_states, progress=progress)
     best = result.best
-    if not objective.met_by(best):
-        raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor))
-    return Plan(
+    plan = Plan(
         model=model,
         graph=best.graph,
         order=best.order,
@@ -183,8 +246,26 @@ def optimize(
         search=result,
         baseline=graph,
         cost_model=latency_model,
+        batch=spec,
+        conditions=conditions,
+        grad_seed=grad_seed,
+        verification=verification,
         planning_only=fake,
     )
+    if not objective.met_by(best):  # the near miss goes with the error
+        raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)
+    return plan
+
+
+def _verification(
+    graph: Graph, memory: MemoryProfile, model: torch.nn.Module, batch: Any, step: UserStep, seed: int, verify: bool
+) -> Verification:
+    """The captured step checked against eager (:func:`~magis.backend.verify.verify_step`), or why not."""
+    if is_fake(model):
+        return Verification(False, "not checked: the model is on fake or meta tensors (nothing can run)")
+    if not verify:
+        return Verification(False, "not checked: optimize(..., verify=False)")
+    return verify_step(graph, memory.peak - memory.persistent_bytes, model, batch, step, seed)
 
 
 def floor_bytes(graph: Graph, memory: MemoryProfile) -> int:

@@ -1,12 +1,21 @@
 """A plan: the training step the M-Optimizer chose, ready to train with (what :func:`magis.optimize` returns).
 
-``plan(*batch)`` runs one training step with the magis runtime
+``plan(*batch)`` (``plan(batch)`` for a mapping or one tensor: the batch as it was
+given to :func:`magis.optimize`) runs one training step with the magis runtime
 (:mod:`magis.backend.runtime`), on the model's parameters as they are at that call
 (an optimizer updates them in place between calls): it returns the loss,
 accumulates each parameter's gradient into ``.grad`` as ``loss.backward()`` would,
 and writes the new BatchNorm statistics into the model's buffers as an eager step
 does. Random ops draw from torch's generator in eager's order, so a seeded plan
-reproduces a seeded eager step.
+reproduces a seeded eager step. ``plan(*batch, grad_scale=s)`` seeds the backward
+with ``s`` (:mod:`magis.frontend.grad_seed`), leaving in ``.grad`` what
+``scaler.scale(loss).backward()`` would, so ``scaler.step(optimizer)`` and
+``scaler.update()`` work unchanged; the loss returned is unscaled.
+
+A plan runs the step it was made for and refuses, before anything runs, a call that
+differs: another batch structure, shape or dtype (:class:`~magis.frontend.step.BatchSpec`),
+a submodule in another train/eval mode or another autocast state
+(:class:`~magis.frontend.conditions.Conditions`).
 
 The figures are simulated (MAGIS §5): ``peak_bytes`` and ``latency_s`` of the plan,
 ``baseline_peak_bytes`` and ``baseline_latency_s`` of the captured step in its
@@ -15,7 +24,7 @@ captured order, what the magis runtime does without optimization.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -23,14 +32,57 @@ from typing import Any
 import torch
 
 from magis.backend.runtime import Program, lower, run_program
-from magis.cost.latency import CostModel, estimate_latency
+from magis.backend.verify import Verification
+from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
+from magis.frontend.conditions import Conditions, autocast_off
+from magis.frontend.grad_seed import seeded
+from magis.frontend.step import BatchSpec, user_model
 from magis.ir.graph import Graph
+from magis.plan_file import read_plan_file, write_plan_file
 from magis.search.m_optimizer import Objective, SearchResult
 
 
+@dataclass(frozen=True)
+class PlanReport:
+    """What :meth:`Plan.report` returns; :meth:`to_dict` is its JSON form.
+
+    ``transformations`` lists the fissioned regions, the recomputed and swapped tensors
+    and every step of the search's path; ``search`` its statistics. ``verified``: the
+    captured step was checked against eager PyTorch before the search (``verification``
+    says what was found, or why it was not checked: ``verify=False``, a model on fake
+    or meta tensors).
+    """
+
+    device: str
+    mode: str  # "memory" (the lowest latency within memory_limit_bytes) or "latency"
+    memory_limit_bytes: int | None
+    latency_limit_s: float | None
+    baseline_peak_bytes: int
+    baseline_latency_s: float
+    peak_bytes: int
+    latency_s: float
+    peak_ratio: float
+    latency_ratio: float
+    transformations: dict[str, Any]
+    search: dict[str, Any]
+    verified: bool
+    verification: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class InfeasibleLimit(ValueError):
-    """No plan found meets the limit; the message names the best figure found and the floor."""
+    """No plan found meets the limit; the message names the best figure found and the floor.
+
+    ``best`` is the best plan the search found, which misses the limit (a near miss
+    may still be worth running or saving), or ``None`` when nothing was searched.
+    """
+
+    def __init__(self, message: str, best: Plan | None = None) -> None:
+        super().__init__(message)
+        self.best = best
 
 
 @dataclass(eq=False)
@@ -49,21 +101,27 @@ class Plan:
     search: SearchResult = field(repr=False)
     baseline: Graph = field(repr=False)  # the captured step, run in its node order
     cost_model: CostModel = field(repr=False)
+    batch: BatchSpec = field(repr=False)  # the example batch's structure, shapes and dtypes
+    conditions: Conditions = field(repr=False)  # modes and autocast at capture
+    grad_seed: torch.Tensor | None = field(repr=False)  # the backward's seed (magis.frontend.grad_seed)
+    verification: Verification  # the captured step against eager, or why it was not checked
     planning_only: bool = False  # the model is on fake or meta tensors
 
     @cached_property
     def program(self) -> Program:
         return lower(self.graph, self.order)
 
-    def __call__(self, *batch: Any) -> torch.Tensor:
-        """One training step on ``batch`` (same shapes as the example inputs): the loss."""
+    def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+        """One training step on ``batch``, given as to :func:`magis.optimize`: the loss (module docstring)."""
         if self.planning_only:
             raise RuntimeError(
                 "this plan was made for a model on fake or meta tensors: it needs real weights to run "
                 "(optimize the model with its real parameters)"
             )
-        self._check_dtypes(batch)
-        result = run_program(self.program, self.model, batch)
+        inputs = self.batch.tensors(self.batch.given(batch))
+        self.conditions.check(self.model)
+        with seeded(self.grad_seed, grad_scale), autocast_off():
+            result = run_program(self.program, self.model, inputs)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, gradient in result.gradients.items():
@@ -74,36 +132,33 @@ class Plan:
                     param.grad.add_(gradient)
         return result.loss
 
-    def _check_dtypes(self, batch: tuple[Any, ...]) -> None:
-        """Inputs of another dtype than the example's are an error (shapes and their count
-        are checked when the runtime binds them)."""
-        for i, (name, value) in enumerate(zip(self.graph.signature.user_inputs, batch)):
-            meta = self.graph[name].outputs[0]
-            if isinstance(value, torch.Tensor) and meta is not None and value.dtype != meta.dtype:
-                raise ValueError(f"input {i} has dtype {value.dtype}; the plan was made for {meta.dtype}")
+    def save(self, path: str | Path) -> Path:
+        """Write the plan to ``path`` (:mod:`magis.plan_file`; not the model's weights), atomically:
+        :func:`load_plan` reads it back for a model with the same parameters, without searching."""
+        return write_plan_file(path, {name: getattr(self, name) for name in _SAVED_FIELDS}, self.model)
 
-    def report(self) -> dict[str, Any]:
-        """A JSON-able summary: the figures, the transformations applied and the search's statistics."""
+    def report(self) -> PlanReport:
+        """The figures, the transformations applied, the search's statistics and the verification."""
         best, stats = self.search.best, self.search.stats
         rewrites = [{"rule": s.rule, "description": s.description} for s in best.steps]
-        return {
-            "device": self.device,
-            "mode": self.objective.mode,
-            "memory_limit_bytes": self.objective.memory_bytes,
-            "latency_limit_s": self.objective.latency_s,
-            "baseline_peak_bytes": self.baseline_peak_bytes,
-            "baseline_latency_s": self.baseline_latency_s,
-            "peak_bytes": self.peak_bytes,
-            "latency_s": self.latency_s,
-            "peak_ratio": self.peak_bytes / self.baseline_peak_bytes,
-            "latency_ratio": self.latency_s / self.baseline_latency_s,
-            "transformations": {
+        return PlanReport(
+            device=self.device,
+            mode=self.objective.mode,
+            memory_limit_bytes=self.objective.memory_bytes,
+            latency_limit_s=self.objective.latency_s,
+            baseline_peak_bytes=self.baseline_peak_bytes,
+            baseline_latency_s=self.baseline_latency_s,
+            peak_bytes=self.peak_bytes,
+            latency_s=self.latency_s,
+            peak_ratio=self.peak_bytes / self.baseline_peak_bytes,
+            latency_ratio=self.latency_s / self.baseline_latency_s,
+            transformations={
                 "fission": best.regions(),
                 "recomputed": [r["description"] for r in rewrites if r["rule"] == "remat"],
                 "swapped": [r["description"] for r in rewrites if r["rule"] == "swap"],
                 "steps": rewrites,
             },
-            "search": {
+            search={
                 "seconds": stats.seconds,
                 "states": stats.states,
                 "expanded": stats.expanded,
@@ -113,7 +168,9 @@ class Plan:
                 "stopped_by": stats.stopped_by,
                 "states_per_rule": dict(stats.rules),
             },
-        }
+            verified=self.verification.verified,
+            verification=self.verification.note,
+        )
 
     def plot(self, path: str | Path) -> Path:
         """A PNG of the simulated memory over the step's time, the captured step beside the
@@ -142,6 +199,21 @@ class Plan:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
         return path
+
+
+#: what a plan file holds: every field but the model (the caller's) and the cost model (made anew)
+_SAVED_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in ("model", "cost_model"))
+
+
+def load_plan(path: str | Path, model: torch.nn.Module) -> Plan:
+    """The plan :meth:`Plan.save` wrote to ``path``, run on ``model``, which must have the
+    parameters and buffers it was made for (names, shapes, dtypes, which are trainable) under
+    the same magis and torch: otherwise a ``ValueError`` names the first difference."""
+    model = user_model(model)
+    saved = read_plan_file(path, model)
+    if set(saved) != set(_SAVED_FIELDS):
+        raise ValueError(f"{path} holds a plan of another layout ({sorted(set(saved) ^ set(_SAVED_FIELDS))})")
+    return Plan(model=model, cost_model=cost_model(saved["device"], estimate_unseen=True), **saved)
 
 
 def _owns_storage(gradient: torch.Tensor, param: torch.Tensor) -> bool:

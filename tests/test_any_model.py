@@ -42,8 +42,8 @@ def test_a_weight_shared_by_slots_gets_one_input_and_its_whole_gradient():
     graph = magis.capture(model, (ids,))
     assert sorted(graph.signature.parameters.values()) == ["mix.bias", "mix.weight", "shared.weight"]
     report = magis.profile(model, (ids,), run=True)
-    assert report["missing_gradients"] == report["extra_gradients"] == []
-    assert report["max_grad_error"] < 1e-5
+    assert report.missing_gradients == report.extra_gradients == []
+    assert report.max_grad_error < 1e-5
     assert model.head.weight is model.shared.weight  # the tie survives the capture
 
 
@@ -78,8 +78,8 @@ def t5_step() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 def test_t5_trains_its_tied_embedding_like_eager():
     model, inputs = t5_step()
     report = magis.profile(model, inputs, run=True)
-    assert report["missing_gradients"] == report["extra_gradients"] == [], report
-    assert report["max_grad_error"] < 1e-4
+    assert report.missing_gradients == report.extra_gradients == [], report
+    assert report.max_grad_error < 1e-4
     graph = magis.capture(model, inputs)
     assert "t5.shared.weight" in graph.signature.gradients
 
@@ -112,9 +112,9 @@ def test_a_model_without_real_weights_is_planned(build: str):
     if build == "fake, real inputs":
         ids = torch.randint(0, 512, (2, 64))
     report = magis.profile(_llama_step(model), (ids,))
-    assert report["device"] == "h200"
+    assert report.device == "h200"
     # weights (fp32) + their gradients at least, and the logits' activations
-    assert report["simulated_peak_bytes"] > 2 * report["weight_bytes"] + 2 * 64 * 512 * 4
+    assert report.simulated_peak_bytes > 2 * report.weight_bytes + 2 * 64 * 512 * 4
     assert all(p.device.type == "meta" for p in model.parameters()) == (build == "meta")
 
 
@@ -127,7 +127,7 @@ def test_planning_a_meta_model_matches_planning_it_with_real_weights():
     ids = torch.randint(0, 512, (2, 64))
     planned = [magis.profile(_llama_step(m), (ids,), device="h200") for m in (real, meta)]
     for key in ("nodes", "weight_bytes", "simulated_peak_bytes", "simulated_latency_s"):
-        assert planned[0][key] == planned[1][key], key
+        assert getattr(planned[0], key) == getattr(planned[1], key), key
 
 
 def _run_without_transformers(code: str) -> subprocess.CompletedProcess:

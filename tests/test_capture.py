@@ -12,7 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import magis
 from magis.api import measure_against_eager
 from magis.cost.memory import simulate_memory
-from magis.frontend.capture import CaptureError, draws_random_numbers
+from magis.frontend.capture import CaptureError
+from magis.frontend.fx_graph import draws_random_numbers
 from magis.ir import Graph, Role
 
 
@@ -183,7 +184,7 @@ def test_non_scalar_output_without_loss_fn_is_named():
 
 def test_profile_reports_every_key(convnet):
     model, inputs, loss_fn = convnet
-    report = magis.profile(model, inputs, loss_fn, run=True, device="a100")
+    report = magis.profile(model, inputs, loss_fn, run=True, device="a100").to_dict()
     for key in (
         "model",
         "nodes",

@@ -20,10 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from magis.analysis.axes import scale_sizes
 from magis.analysis.dgraph import DGraph, build_dgraph, links
-from magis.analysis.dim_rules import op_dims, reshape_links, scale_sizes
+from magis.analysis.dim_rules import op_dims
 from magis.analysis.ftrans import FTrans, InvalidFission, is_valid, plan_fission
 from magis.analysis.ftree import Candidate, FTree, build_ftree, next_divisor, unsupported_ops
+from magis.analysis.layout_dims import reshape_links
 from magis.backend.eager import buffers_snapshot, eager_step, restore_buffers
 from magis.backend.meter import LiveTensorMeter, resident_tensors
 from magis.backend.runtime import run_step

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from magis.cost.device_profiles import DEVICE_PROFILES
 from magis.cost.kernel_model import Gemm, best_tiling
+from magis.cost.kin import KinTimes
 from magis.cost.latency import (
     AnalyticCostModel,
     LatencyProfile,
@@ -24,18 +25,10 @@ from magis.cost.latency import (
     node_flops,
     node_gemms,
 )
-from magis.cost.profiler import (
-    KinTimes,
-    default_cache_path,
-    in_step_key,
-    lookup_steps,
-    measurable,
-    node_key,
-    op_key,
-    random_tensor,
-    replay_strides,
-    step_context,
-)
+from magis.cost.op_keys import in_step_key, measurable, node_key, op_key, replay_strides, step_context
+from magis.cost.op_timing import random_tensor
+from magis.cost.runtime_costs import lookup_steps
+from magis.cost.timing_cache import default_cache_path
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
 

@@ -22,7 +22,7 @@ from magis.ir.graph import Ref, Role
 from magis.models import WORKLOADS, build_workload
 from magis.rules.builder import NodeBuilder
 from magis.rules.rewrite import Rewrite
-from magis.search import m_optimizer
+from magis.search import first_level
 from magis.search.graph_hash import wl_hash
 from magis.search.m_optimizer import Objective, m_optimize
 from magis.search.registry import RULES, register_graph_rule
@@ -102,7 +102,7 @@ def test_training_with_a_plan_equals_eager(limits):
     twin = copy.deepcopy(model)
     plan = plan_for(model, x, **limits)
     if limits:
-        assert plan.peak_bytes <= 0.6 * plan.baseline_peak_bytes and plan.report()["transformations"]["fission"]
+        assert plan.peak_bytes <= 0.6 * plan.baseline_peak_bytes and plan.report().transformations["fission"]
     batches = [(x + k,) for k in range(3)]
     expected = train(eager(), twin, batches)
     got = train(lambda _model, batch: plan(*batch), model, batches)
@@ -197,7 +197,7 @@ def test_each_tiny_workload_trains_ten_adamw_steps_like_eager_within_a_limit_of_
 def test_latency_limit_mode_lowers_the_peak_within_the_latency():
     model, x = mlp()
     loose = plan_for(model, x, latency_limit=20.0)
-    assert loose.report()["mode"] == "latency"
+    assert loose.report().mode == "latency"
     assert loose.latency_s <= 20.0 * loose.baseline_latency_s
     assert loose.peak_bytes < 0.7 * loose.baseline_peak_bytes
     default = plan_for(model, x)  # neither limit: latency-limit mode at 1.10
@@ -213,7 +213,7 @@ def test_same_inputs_and_seed_give_the_same_plan():
     b = plan_for(model, x, memory_limit=0.6)
     assert (a.peak_bytes, a.latency_s) == (b.peak_bytes, b.latency_s)
     assert wl_hash(a.graph) == wl_hash(b.graph) and a.order == b.order
-    assert a.report()["transformations"] == b.report()["transformations"]
+    assert a.report().transformations == b.report().transformations
 
 
 def test_bad_options_and_impossible_limits_raise_clear_errors():
@@ -256,7 +256,7 @@ def test_a_model_on_fake_tensors_is_planned_but_not_run(tmp_path):
 def test_report_is_json_and_plot_is_a_png(tmp_path):
     model, x = mlp()
     plan = plan_for(model, x, memory_limit=0.6)
-    report = json.loads(json.dumps(plan.report()))
+    report = json.loads(json.dumps(plan.report().to_dict()))
     for key in ("peak_bytes", "latency_s", "baseline_peak_bytes", "baseline_latency_s", "device"):
         assert report[key] == getattr(plan, key)
     assert report["search"]["states"] <= STATES and report["search"]["stopped_by"]
@@ -399,19 +399,19 @@ def test_memory_mode_keeps_the_first_swap_plan_within_the_limit_before_the_next_
     initial = m_optimize(graph, Objective("latency", latency_s=1e9), h200, rule_names=[], progress=False).initial
     reach = recompute_front(graph, h200, initial.order).points[-1].peak_bytes
     limit = Objective("memory", memory_bytes=int(0.9 * reach))
-    searches, feasible_at_call = [], []
-    run, swap_front = m_optimizer._Search.run, m_optimizer.swap_front
+    levels, feasible_at_call = [], []
+    run, swap_front = first_level.FirstLevel.run, first_level.swap_front
 
-    def run_kept(self, graph):
-        searches.append(self)
-        return run(self, graph)
+    def run_kept(self, graph, initial):
+        levels.append(self)
+        return run(self, graph, initial)
 
     def swap_front_watched(*args, **kwargs):
-        feasible_at_call.append(searches[-1].stats.first_feasible_s is not None)
+        feasible_at_call.append(levels[-1].ledger.stats.first_feasible_s is not None)
         return swap_front(*args, **kwargs)
 
-    monkeypatch.setattr(m_optimizer._Search, "run", run_kept)
-    monkeypatch.setattr(m_optimizer, "swap_front", swap_front_watched)
+    monkeypatch.setattr(first_level.FirstLevel, "run", run_kept)
+    monkeypatch.setattr(first_level, "swap_front", swap_front_watched)
     result = m_optimize(graph, limit, h200, rule_names=["remat", "swap"], time_budget=20, progress=False)
     assert result.best.peak_bytes <= limit.memory_bytes
     assert any(step.rule == "swap" for step in result.best.steps)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
+from math import inf
 
 import pytest
 
@@ -13,6 +15,7 @@ from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
 from magis.models import build_workload, random_randwire_graph, random_training_graph
 from yardstick.methods import Subject
+from yardstick.methods.checkmate_dtr_peers import captured_problem, memory_limit
 from yardstick.planners.checkmate import Stages, checkmate_plan, stages
 from yardstick.planners.dtr import dtr_plan
 from yardstick.planners.recompute_problem import DoesNotFit, RematProblem, remat_problem, replay, sequence_peak
@@ -26,39 +29,65 @@ def _cost(name: str) -> float:
 def brute_force(st: Stages, budget: int) -> float | None:
     """The least total cost of Checkmate's program, by enumeration: per stage, every set of
     earlier runs to recompute and every set of values to keep, memory walked step by step."""
-    n, size = len(st), st.size
-    best: dict[frozenset[int], float] = {frozenset(): 0.0}
-    for t in range(n):
-        reachable: dict[frozenset[int], float] = {}
-
-        def useful(v: int, t: int = t) -> bool:  # a later stage may read it, or recompute a reader
-            return any(j > t or j not in st.fixed for j in st.values[v].readers)
-
-        base = st.static + sum(st.kept[:t])
+    size = st.size  # a property that sums: read once
+    best: dict[tuple[int, ...], float] = {(): 0.0}  # the values kept, sorted: a set as a key
+    for t in range(len(st)):
+        reachable: dict[tuple[int, ...], float] = {}
         for resident, cost in best.items():
-            for r in range(t + 1):
-                for again in itertools.combinations([k for k in range(t) if k not in st.fixed], r):
-                    computed = sorted({*again, t})
-                    have = set(resident)
-                    if any(not set(st.reads[k]) <= have or have.update(st.made[k]) for k in computed):
-                        continue
-                    pool = [v for v in sorted(have) if useful(v)]
-                    for m in range(len(pool) + 1):
-                        for keep in map(set, itertools.combinations(pool, m)):
-                            live, fits = base + sum(st.values[v].size for v in resident), True
-                            for k in computed:
-                                live += size[k] + (st.kept[t] if k == t else 0)
-                                if live + st.workspace[k] + (st.kept[k] if k < t else 0) > budget:
-                                    fits = False
-                                    break
-                                for v in (*st.reads[k], *st.made[k]):
-                                    if v not in keep and not any(j in computed and j > k for j in st.values[v].readers):
-                                        live -= st.values[v].size
-                            total = cost + sum(st.cost[k] for k in computed)
-                            if fits and total < reachable.get(frozenset(keep), float("inf")):
-                                reachable[frozenset(keep)] = total
+            held = st.static + sum(st.kept[:t]) + sum(st.values[v].size for v in resident)
+            for computed, have in _stage_runs(st, t, resident):
+                total = cost + sum(st.cost[k] for k in computed)
+                for keep in _subsets([v for v in sorted(have) if _useful(st, v, t)]):
+                    if total < reachable.get(keep, inf) and _stage_fits(st, size, t, held, computed, keep, budget):
+                        reachable[keep] = total
         best = reachable
     return min(best.values(), default=None)
+
+
+def _stage_runs(st: Stages, t: int, resident: tuple[int, ...]) -> Iterator[tuple[list[int], set[int]]]:
+    """Every set of runs stage ``t`` may compute holding ``resident`` (``t`` and earlier runs again,
+    each reading what is held or computed before it), and what it holds once they ran."""
+    for r in range(t + 1):
+        for again in itertools.combinations([k for k in range(t) if k not in st.fixed], r):
+            computed = sorted({*again, t})
+            have = set(resident)
+            if any(not set(st.reads[k]) <= have or have.update(st.made[k]) for k in computed):
+                continue
+            yield computed, have
+
+
+def _useful(st: Stages, v: int, t: int) -> bool:
+    """A later stage than ``t`` may read ``v``, or recompute a reader."""
+    return any(j > t or j not in st.fixed for j in st.values[v].readers)
+
+
+def _subsets(pool: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every subset of ``pool`` (sorted), smallest first, as a sorted tuple."""
+    for m in range(len(pool) + 1):
+        yield from itertools.combinations(pool, m)
+
+
+def _stage_fits(
+    st: Stages,
+    size: tuple[int, ...],
+    t: int,
+    held: int,
+    computed: list[int],
+    keep: tuple[int, ...],
+    budget: int,
+) -> bool:
+    """Whether stage ``t`` (runs of ``size`` bytes), holding ``held`` bytes as it starts, computing
+    ``computed`` and keeping ``keep`` after, stays within ``budget`` at every run (memory walked
+    step by step)."""
+    live = held
+    for k in computed:
+        live += size[k] + (st.kept[t] if k == t else 0)
+        if live + st.workspace[k] + (st.kept[k] if k < t else 0) > budget:
+            return False
+        for v in (*st.reads[k], *st.made[k]):
+            if v not in keep and not any(j in computed and j > k for j in st.values[v].readers):
+                live -= st.values[v].size
+    return True
 
 
 def budgets(problem: RematProblem, st: Stages) -> list[int]:
@@ -118,7 +147,7 @@ def resnet():
 
 
 def test_sequence_peak_is_the_simulated_peak_of_the_replay(resnet):
-    problem = resnet.remat_problem
+    problem = captured_problem(resnet)
     graph = resnet.graph
     assert problem.no_remat_peak == simulate_memory(graph, [n.name for n in graph.nodes]).peak
     batch_norms = [u for u, names in enumerate(problem.units) if "batch_norm" in names[0] and u not in problem.once]
@@ -132,8 +161,8 @@ def test_sequence_peak_is_the_simulated_peak_of_the_replay(resnet):
 @pytest.mark.parametrize("max_stages", [4, 12, 30])
 def test_checkmate_meets_the_steps_own_peak_however_grouped(resnet, max_stages):
     """``checkmate@1`` (Checkmate's issue #151: budgets the unmodified model met declared infeasible)."""
-    problem = resnet.remat_problem
-    budget = resnet.memory_limit(1.0)
+    problem = captured_problem(resnet)
+    budget = memory_limit(resnet, 1.0)
     assert len(stages(problem, max_stages, budget)) < len(problem)
     plan = checkmate_plan(problem, budget, max_stages=max_stages)
     assert plan.stages < plan.units
@@ -142,8 +171,8 @@ def test_checkmate_meets_the_steps_own_peak_however_grouped(resnet, max_stages):
 
 
 def test_checkmate_groups_finer_where_the_grouped_program_is_infeasible(resnet):
-    problem = resnet.remat_problem
-    budget = resnet.memory_limit(0.7)
+    problem = captured_problem(resnet)
+    budget = memory_limit(resnet, 0.7)
     coarse = stages(problem, 4, budget)
     plan = checkmate_plan(problem, budget, max_stages=4)
     assert plan.stages > len(coarse)
@@ -154,8 +183,8 @@ def test_checkmate_groups_finer_where_the_grouped_program_is_infeasible(resnet):
 def test_checkmate_starts_from_a_plan_that_fits(resnet):
     """With no time to search, HiGHS still reports the eviction heuristic's plan. Over 60
     stages: HiGHS 1.16 solves the program over 30 to optimality within the millisecond."""
-    problem = resnet.remat_problem
-    budget = resnet.memory_limit(0.7)
+    problem = captured_problem(resnet)
+    budget = memory_limit(resnet, 0.7)
     plan = checkmate_plan(problem, budget, time_limit_s=1e-3, max_stages=60)
     assert plan.status == "time limit"
     assert len(plan.sequence) > len(problem)
@@ -163,7 +192,7 @@ def test_checkmate_starts_from_a_plan_that_fits(resnet):
 
 
 def test_checkmate_names_the_unit_no_budget_fits(resnet):
-    problem = resnet.remat_problem
+    problem = captured_problem(resnet)
     with pytest.raises(DoesNotFit, match=r"needs \d+ bytes with only its inputs"):
         checkmate_plan(problem, problem.static + sum(problem.kept))
 

@@ -18,8 +18,8 @@ from magis.search.single_fission import (
     fission_numbers,
     single_fission_options,
 )
-from yardstick import methods
-from yardstick.methods import METHODS, Subject, variants
+from yardstick.methods import LATENCY_LIMITS, METHODS, Subject, magis_methods, variants
+from yardstick.methods.magis_methods import fission_options, fission_within
 from yardstick.protocol import measure_peak
 
 
@@ -79,12 +79,12 @@ def test_magis_fission_method_runs_with_eagers_gradients_and_its_simulated_peak(
         graph, order = method.simulate(subject, budget)
         assert abs(simulate_memory(graph, order).peak - peak) <= 0.02 * peak
         assert max_relative_error(reference.gradients, result.gradients) < 1e-4
-    assert subject.single_fission(1.0).parts == 1
-    assert subject.single_fission(0.01).peak_bytes == min(o.peak_bytes for o in subject.single_fissions)
+    assert fission_within(subject, 1.0).parts == 1
+    assert fission_within(subject, 0.01).peak_bytes == min(o.peak_bytes for o in fission_options(subject))
 
 
 def test_magis_optimize_method_runs_with_eagers_gradients_and_its_simulated_peak(monkeypatch):
-    monkeypatch.setattr(methods, "OPTIMIZE_STATES", 12)  # the first level of the search: single fissions
+    monkeypatch.setattr(magis_methods, "OPTIMIZE_STATES", 12)  # the first level of the search: single fissions
     subject = Subject("gpt-neo-1.3b", "tiny")
     eager = METHODS["eager"].real(subject, None)
     _, reference = measure_peak(eager.step, resident_tensors(eager.built.model, eager.built.example_inputs))
@@ -106,10 +106,10 @@ def test_magis_optimize_method_runs_with_eagers_gradients_and_its_simulated_peak
 
 
 def test_magis_optimize_lat_method_keeps_its_latency_limit_and_eagers_gradients(monkeypatch):
-    monkeypatch.setattr(methods, "OPTIMIZE_STATES", 12)
+    monkeypatch.setattr(magis_methods, "OPTIMIZE_STATES", 12)
     assert [v.name for v in variants(["magis-optimize-lat"])] == [
         "eager",
-        *(f"magis-optimize-lat@{limit:g}" for limit in methods.LATENCY_LIMITS),
+        *(f"magis-optimize-lat@{limit:g}" for limit in LATENCY_LIMITS),
     ]
     subject = Subject("gpt-neo-1.3b", "tiny")
     eager = METHODS["eager"].real(subject, None)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
 
-from magis.analysis.dim_rules import Axis, AxisMap, OpDims, op_dims, opaque_dims
+from magis.analysis.axes import Axis, AxisMap, OpDims, opaque_dims
+from magis.analysis.dim_rules import op_dims
 from magis.ir.graph import Graph
 
 Vertex = tuple[str, Axis]

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+from magis.analysis.axes import Axis, scale_sizes
 from magis.analysis.dgraph import DGraph
-from magis.analysis.dim_rules import Axis, scale_sizes
 from magis.ir.graph import Graph
 
 
@@ -57,8 +57,9 @@ class FTrans:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How a valid F-Trans reads and writes: what to slice, what to concatenate or sum."""
+class FissionBoundary:
+    """How a valid F-Trans meets the rest of the graph: the inputs of ``S`` it slices
+    into parts (or shares whole), the outputs whose parts it concatenates (or sums)."""
 
     inputs: tuple[str, ...]
     slice_dims: tuple[int | None, ...]  # per input: the dimension cut into parts, None = shared
@@ -67,9 +68,9 @@ class Plan:
 
 
 # ------------------------------------------------------------------ validity
-def plan_fission(graph: Graph, dgraph: DGraph, f: FTrans) -> Plan:
+def plan_fission(graph: Graph, dgraph: DGraph, f: FTrans) -> FissionBoundary:
     """Check the validity conditions of ``f`` on ``graph`` (module docstring); raise
-    :class:`InvalidFission` naming the first broken one, else return its :class:`Plan`."""
+    :class:`InvalidFission` naming the first broken one, else return its :class:`FissionBoundary`."""
     if f.parts < 2:
         raise InvalidFission(f"the fission number must be at least 2, got {f.parts}")
     if not f.nodes:
@@ -82,7 +83,7 @@ def plan_fission(graph: Graph, dgraph: DGraph, f: FTrans) -> Plan:
     inputs = _input_slices(graph, dgraph, f)
     outputs = _output_concats(graph, dgraph, f)
     _check_divisible(graph, dgraph, f, inputs)
-    return Plan(tuple(inputs), tuple(inputs.values()), tuple(outputs), tuple(outputs.values()))
+    return FissionBoundary(tuple(inputs), tuple(inputs.values()), tuple(outputs), tuple(outputs.values()))
 
 
 def is_valid(graph: Graph, dgraph: DGraph, f: FTrans) -> bool:

@@ -25,8 +25,8 @@ from functools import cached_property
 
 import rustworkx as rx
 
+from magis.analysis.axes import Axis
 from magis.analysis.dgraph import DGraph, Dimension, build_dgraph
-from magis.analysis.dim_rules import Axis
 from magis.analysis.ftrans import (
     FTrans,
     InvalidFission,

@@ -4,8 +4,9 @@ A swap moves a tensor to host memory after it is made and back before its reader
 needs it. In the graph these are two nodes whose targets are :class:`Store` (device
 → host; its output lives in host memory, :attr:`~magis.ir.graph.Node.on_host`) and
 :class:`Load` (host → device, a fresh device tensor). Both run on a second stream
-(``stream = 1``), so the latency model overlaps them with compute, and each knows
-its own duration from the cost model's host-link bandwidth (``estimate_seconds``).
+(``stream = 1``), so the latency model overlaps them with compute; it prices each by
+its bytes over the host link (:mod:`magis.cost.host_link`: the rate is a cost figure,
+which the runtime never needs).
 
 On CUDA (:class:`TransferStreams`): a Store waits for the compute stream (its input
 is ready), copies into pinned host memory on the side stream, and marks the input
@@ -24,19 +25,11 @@ and a Load copies back as an ordinary op the meter counts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from magis.backend.meter import HOST_POOL
-
-
-def host_bytes_per_second(model: Any) -> float:
-    """Host-link bandwidth of a cost model: its device profile's, or for a profiled model
-    that of the roofline it measured on this machine (:mod:`magis.cost.latency`)."""
-    analytic = getattr(model, "fallback", model)
-    return analytic.profile.host_bytes_per_second
 
 
 @dataclass(frozen=True)
@@ -50,9 +43,6 @@ class Store:
     @property
     def __name__(self) -> str:  # read by Node.op_name
         return "store"
-
-    def estimate_seconds(self, model: Any) -> float:
-        return self.nbytes / host_bytes_per_second(model)
 
     def __call__(self, x: torch.Tensor, streams: TransferStreams | None = None) -> torch.Tensor:
         if streams is not None:
@@ -75,9 +65,6 @@ class Load:
     @property
     def __name__(self) -> str:
         return "load"
-
-    def estimate_seconds(self, model: Any) -> float:
-        return self.nbytes / host_bytes_per_second(model)
 
     def __call__(self, host: torch.Tensor, streams: TransferStreams | None = None) -> torch.Tensor:
         if streams is not None:

@@ -7,16 +7,30 @@ import argparse
 import json
 from typing import Any
 
-from magis.console import format_table, load_graph, log
+from magis.console import format_table, load_graph, load_workload, log
 from magis.models import PRESETS
 
-__all__ = ["add_device_argument", "add_workload_arguments", "emit", "format_table", "load_graph", "log", "positive_int"]
+__all__ = [
+    "add_device_argument",
+    "add_workload_arguments",
+    "emit",
+    "format_table",
+    "load_graph",
+    "load_workload",
+    "log",
+    "positive_int",
+]
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, presets: tuple[str, ...] = PRESETS) -> None:
     """MODEL, --preset, --batch and --json, the same for every command."""
-    parser.add_argument("model", metavar="MODEL", help="a workload name (see `magis models`)")
-    parser.add_argument("--preset", choices=presets, default="tiny", help="model size (default: tiny)")
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a workload name (see `magis models`), or your own as MODULE:FUNCTION (a module name or a .py "
+        "file; FUNCTION() returns (model, batch) or (model, batch, training_step))",
+    )
+    parser.add_argument("--preset", choices=presets, default="tiny", help="workload size (default: tiny)")
     parser.add_argument("--batch", type=positive_int, default=None, help="batch size (default: the preset's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 

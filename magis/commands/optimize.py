@@ -14,8 +14,7 @@ import argparse
 from typing import Any
 
 from magis.api import measure_against_eager, optimize
-from magis.commands.common import add_device_argument, add_workload_arguments, emit, log
-from magis.models import build_workload
+from magis.commands.common import add_device_argument, add_workload_arguments, emit, load_workload, log
 from magis.search.m_optimizer import DEFAULT_MAX_STATES
 
 
@@ -57,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.run and args.preset == "paper":
         raise ValueError("--run needs real weights: the paper preset is traced on fake tensors; use tiny or small")
-    built = build_workload(args.model, args.preset, args.batch)
+    built = load_workload(args.model, args.preset, args.batch)
     log(f"optimizing {args.model} ({args.preset})")
     plan = optimize(
         built.model,
@@ -75,16 +74,17 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "preset": args.preset,
         "device": plan.device,
-        "mode": details["mode"],
+        "mode": details.mode,
         "baseline_peak_bytes": plan.baseline_peak_bytes,
         "baseline_latency_s": plan.baseline_latency_s,
         "peak_bytes": plan.peak_bytes,
         "latency_s": plan.latency_s,
-        "peak_ratio": details["peak_ratio"],
-        "latency_ratio": details["latency_ratio"],
-        "search_seconds": details["search"]["seconds"],
-        "states": details["search"]["states"],
-        "transformations": details["transformations"],
+        "peak_ratio": details.peak_ratio,
+        "latency_ratio": details.latency_ratio,
+        "search_seconds": details.search["seconds"],
+        "states": details.search["states"],
+        "transformations": details.transformations,
+        "verified": details.verified,
     }
     if args.run:
         log("running the plan and eager PyTorch")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from magis.api import profile
-from magis.commands.common import add_device_argument, add_workload_arguments, emit, log
-from magis.models import build_workload
+from magis.commands.common import add_device_argument, add_workload_arguments, emit, load_workload, log
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,14 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.run and args.preset == "paper":
         raise ValueError("--run needs real weights: the paper preset is traced on fake tensors; use tiny or small")
-    built = build_workload(args.model, args.preset, args.batch)
+    built = load_workload(args.model, args.preset, args.batch)
     log(f"profiling {args.model} ({args.preset})")
     report = profile(built.model, built.example_inputs, built.loss_fn, run=args.run, device=args.device)
-    emit({"model": args.model, "preset": args.preset, **{k: v for k, v in report.items() if k != "model"}}, args.json)
-    if report.get("missing_gradients") or report.get("extra_gradients"):
+    fields = {k: v for k, v in report.to_dict().items() if k != "model"}
+    emit({"model": args.model, "preset": args.preset, **fields}, args.json)
+    if report.missing_gradients or report.extra_gradients:
         log(
             f"error: magis' gradients cover other parameters than eager PyTorch's: "
-            f"missing {report['missing_gradients']}, extra {report['extra_gradients']}"
+            f"missing {report.missing_gradients}, extra {report.extra_gradients}"
         )
         return 1
     return 0

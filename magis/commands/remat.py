@@ -16,11 +16,10 @@ import argparse
 from typing import Any
 
 from magis.api import measure_against_eager
-from magis.commands.common import add_device_argument, add_workload_arguments, emit, log, positive_int
+from magis.commands.common import add_device_argument, add_workload_arguments, emit, load_workload, log, positive_int
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture
-from magis.models import build_workload
 from magis.rules.remat import MAX_OPS
 from magis.search.rule_front import DEFAULT_TIME_BUDGET_S, recompute_front, require_device_memory, swap_front
 
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     model = cost_model(device)
     if args.swap:
         require_device_memory(model)  # before the capture: a CPU cost model is a bad option
-    built = build_workload(args.model, args.preset, args.batch)
+    built = load_workload(args.model, args.preset, args.batch)
     log(f"capturing {args.model} ({args.preset})")
     graph = capture(built.model, built.example_inputs, built.loss_fn)
     captured = [n.name for n in graph.nodes]

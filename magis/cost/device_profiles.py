@@ -1,7 +1,7 @@
 """Analytic descriptions of GPUs, so a user can plan training on a device they do not have.
 
 MAGIS (§5, "Simulator") estimates a schedule's latency from per-operator costs. On
-the local device those costs are measured (:mod:`magis.cost.profiler`); for any other
+the local device those costs are measured (:mod:`magis.cost.op_timing`); for any other
 device they come from the figures below, which :mod:`magis.cost.kernel_model` turns
 into kernel times: a roofline ``max(flops / (compute_efficiency * peak), bytes /
 (bandwidth_efficiency * bandwidth))`` for large kernels, refined for small ones by

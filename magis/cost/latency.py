@@ -5,7 +5,8 @@ timeline (:mod:`magis.cost.memory`) and the latency, the sum of the operators' r
 times on one stream. Operator times come from a :class:`CostModel`:
 
 - :class:`ProfiledCostModel` measures each distinct operator application once on
-  this machine's CPU or GPU and caches the result on disk (:mod:`magis.cost.profiler`);
+  this machine's CPU or GPU (:mod:`magis.cost.op_timing`) and caches the result on
+  disk (:mod:`magis.cost.timing_cache`);
 - :class:`AnalyticCostModel` prices it from a named device's figures
   (:mod:`magis.cost.device_profiles`) with the kernel model of
   :mod:`magis.cost.kernel_model` (a roofline for large kernels; tiles and waves for
@@ -16,7 +17,8 @@ Graph inputs cost nothing; so do ``getitem`` in the analytic model, while the pr
 model charges it the runtime's work (its argument mapping and call, measured once).
 A node whose target knows its own cost
 (a fissioned region runs its parts one after another) provides
-``estimate_seconds(cost_model)`` and is asked for it.
+``estimate_seconds(cost_model)`` and is asked for it; a swap's Store or Load takes
+its bytes over the host link (:mod:`magis.cost.host_link`).
 """
 
 from __future__ import annotations
@@ -35,29 +37,18 @@ import torch
 from torch.utils.flop_counter import flop_registry
 from tqdm import tqdm
 
+from magis.backend.runtime import bind_arguments
+from magis.backend.transfer import Load, Store
 from magis.cost.device_profiles import DEVICE_PROFILES, DeviceProfile
+from magis.cost.host_link import transfer_seconds
 from magis.cost.kernel_model import Gemm, gemm_seconds, kernel_seconds, stream_seconds
+from magis.cost.kin import KinTimes
+from magis.cost.local_device import host_memory_bytes, measure_device_profile
 from magis.cost.memory import peak_memory
-from magis.cost.profiler import (
-    KinTimes,
-    LatencyCache,
-    NodeStrides,
-    RuntimeCosts,
-    bind_arguments,
-    binding_seconds,
-    default_cache_path,
-    host_memory_bytes,
-    in_step_key,
-    measurable,
-    measure_device_profile,
-    measure_in_step,
-    measure_nodes,
-    measure_runtime_costs,
-    node_key,
-    op_key,
-    replay_strides,
-    step_context,
-)
+from magis.cost.op_keys import NodeStrides, in_step_key, measurable, node_key, op_key, replay_strides, step_context
+from magis.cost.op_timing import measure_in_step, measure_nodes
+from magis.cost.runtime_costs import RuntimeCosts, binding_seconds, measure_runtime_costs
+from magis.cost.timing_cache import LatencyCache, default_cache_path
 from magis.ir.graph import Graph, Node, is_view
 
 log = logging.getLogger(__name__)
@@ -148,7 +139,10 @@ def _in_place(node: Node) -> bool:
 
 
 def _delegated_seconds(node: Node, model: CostModel) -> float | None:
-    """The cost a self-describing target (a fissioned region) reports, else ``None``."""
+    """The time of a swap's transfer over the host link, or the cost a self-describing
+    target (a fissioned region) reports, else ``None``."""
+    if isinstance(node.target, (Store, Load)):
+        return transfer_seconds(node.target.nbytes, model)
     estimate = getattr(node.target, "estimate_seconds", None)
     return float(estimate(model)) if callable(estimate) else None
 
@@ -294,7 +288,7 @@ class ProfiledCostModel:
     dtypes and strides; the times go to a JSON cache on disk (``cache_path``, by
     default under ``$MAGIS_CACHE_DIR`` or ``~/.cache/magis``), so a second run
     measures nothing. On CPU the whole step runs in place and each instruction is
-    timed where it stands (:func:`~magis.cost.profiler.measure_in_step`: at least
+    timed where it stands (:func:`~magis.cost.op_timing.measure_in_step`: at least
     ``2 x repeats`` runs after a warm-up; ``getitem`` s, views and the runtime's loop
     included), which is what the runtime pays: isolated operators run 10-20% faster
     than inside a step. Each step also binds its inputs (:attr:`runtime_costs`,
@@ -310,7 +304,7 @@ class ProfiledCostModel:
 
     With ``estimate_unseen``, a graph holding operators never timed is priced without
     timing anything once this instance has priced one graph: each such operator is
-    estimated from its kin (:class:`~magis.cost.profiler.KinTimes`: the same operator
+    estimated from its kin (:class:`~magis.cost.kin.KinTimes`: the same operator
     on other shapes in a graph priced before, its time scaled by the roofline). This is
     what a search with a time budget wants on a CPU, where timing a graph runs the
     whole step ten times: the parts of a fissioned step differ from the captured step
@@ -371,57 +365,81 @@ class ProfiledCostModel:
     @property
     def runtime_costs(self) -> RuntimeCosts:
         """The runtime's own costs: measured on CPU once
-        (:func:`magis.cost.profiler.measure_runtime_costs`) and cached; none on CUDA."""
+        (:func:`magis.cost.runtime_costs.measure_runtime_costs`) and cached; none on CUDA."""
         if self.device.type != "cpu":
-            return RuntimeCosts(instruction_s=0.0, getitem_s=0.0)
+            return RuntimeCosts(instruction_s=0.0, getitem_s=0.0, lookup_s=0.0, input_s=0.0)
         if self.cache.runtime_costs is None:
             self.cache.runtime_costs = asdict(measure_runtime_costs(self.device))
             self.cache.save()
         return RuntimeCosts(**self.cache.runtime_costs)
 
     def _price(self, graph: Graph) -> dict[str, float]:
+        """Seconds of every node of ``graph``: the operators not cached yet are timed
+        (in their step, then alone), or estimated from their kin (class docstring)."""
         strides = replay_strides(graph)
         keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
-        step_keys: dict[str, str] = {}
-        if self.device.type == "cpu":
-            context = step_context(graph.signature)
-            for node in graph.nodes:
-                key = None if node.is_input else in_step_key(graph, node.name, keys, context)
-                if key is not None:
-                    step_keys[node.name] = key
+        step_keys = self._step_keys(graph, keys)
         unseen = {
             name
             for name in keys.keys() | step_keys.keys()
             if step_keys.get(name) not in self.cache.in_step and keys.get(name) not in self.cache.ops
         }
-        estimating = bool(unseen) and self.estimate_unseen and bool(self.kin)
-        if not estimating:
+        estimates: dict[str, float] = {}
+        if unseen and self.estimate_unseen and self.kin:
+            estimates = {name: self._kin_estimate(graph, name, keys) for name in unseen}
+        else:
             self._measure_in_step(graph, step_keys, strides)
-        in_step = {name: self.cache.in_step[key] for name, key in step_keys.items() if key in self.cache.in_step}
-        if not estimating:
-            self._measure(graph, {name: key for name, key in keys.items() if name not in in_step}, strides)
+            alone = {name: key for name, key in keys.items() if step_keys.get(name) not in self.cache.in_step}
+            self._measure(graph, alone, strides)
+        seconds = self._node_times(graph, keys, step_keys, estimates)
+        if self.estimate_unseen and not estimates:  # only measured times are kin, never estimates
+            for name in keys.keys() | step_keys.keys():
+                kin_key = node_key(graph, name, keys)
+                if kin_key is not None:
+                    self.kin.add(kin_key, self.fallback.node_seconds(graph, name), seconds[name])
+        return seconds
+
+    def _step_keys(self, graph: Graph, keys: dict[str, str]) -> dict[str, str]:
+        """On CPU, the key of each node's time in its step (:func:`~magis.cost.op_keys.in_step_key`),
+        for the nodes that have one; none on CUDA, where operators are timed alone."""
+        if self.device.type != "cpu":
+            return {}
+        context = step_context(graph.signature)
+        step_keys: dict[str, str] = {}
+        for node in graph.nodes:
+            key = None if node.is_input else in_step_key(graph, node.name, keys, context)
+            if key is not None:
+                step_keys[node.name] = key
+        return step_keys
+
+    def _kin_estimate(self, graph: Graph, name: str, keys: dict[str, str]) -> float:
+        """The seconds of node ``name``, never timed, from its kin (:class:`~magis.cost.kin.KinTimes`)."""
+        kin_key = node_key(graph, name, keys)
+        assert kin_key is not None  # every unseen node has a key
+        self.estimated += 1
+        return self.kin.estimate(kin_key, self.fallback.node_seconds(graph, name))
+
+    def _node_times(
+        self, graph: Graph, keys: dict[str, str], step_keys: dict[str, str], estimates: dict[str, float]
+    ) -> dict[str, float]:
+        """Seconds of every node, the runtime's work included, from the cache and ``estimates``:
+        an input its share of binding the step, a node timed in its step that time (the loop
+        around it included), any other node its time alone plus the runtime's per instruction."""
         runtime = self.runtime_costs
+        in_step = {name: self.cache.in_step[key] for name, key in step_keys.items() if key in self.cache.in_step}
         inputs = sum(1 for node in graph.nodes if node.is_input)
         seconds = {}
         for node in graph.nodes:
             if node.is_input:
                 seconds[node.name] = binding_seconds(graph, runtime) / inputs
-            elif estimating and node.name in unseen:
-                kin_key = node_key(graph, node.name, keys)
-                assert kin_key is not None  # every unseen node has a key
-                seconds[node.name] = self.kin.estimate(kin_key, self.fallback.node_seconds(graph, node.name))
-                self.estimated += 1
+            elif node.name in estimates:
+                seconds[node.name] = estimates[node.name]
             elif node.name in in_step and _delegated_seconds(node, self) is None:
-                seconds[node.name] = in_step[node.name]  # the loop around it included
+                seconds[node.name] = in_step[node.name]
             elif node.target is operator.getitem:
                 seconds[node.name] = runtime.getitem_s + runtime.instruction_s
             else:
                 seconds[node.name] = self._seconds(graph, node, keys.get(node.name)) + runtime.instruction_s
-        if self.estimate_unseen and not estimating:  # only measured times are kin, never estimates
-            for name in keys.keys() | step_keys.keys():
-                kin_key = node_key(graph, name, keys)
-                if kin_key is not None:
-                    self.kin.add(kin_key, self.fallback.node_seconds(graph, name), seconds[name])
         return seconds
 
     def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
@@ -433,7 +451,7 @@ class ProfiledCostModel:
         return measured if measured is not None else self.fallback.node_seconds(graph, node.name)
 
     def _measure_in_step(self, graph: Graph, step_keys: dict[str, str], strides: dict[str, NodeStrides]) -> None:
-        """Time the step in place (:func:`~magis.cost.profiler.measure_in_step`) when it
+        """Time the step in place (:func:`~magis.cost.op_timing.measure_in_step`) when it
         holds a key not cached yet; a key's time is the mean over the nodes that share it.
 
         A step that cannot run here (an operator that fails on random inputs, a peak
@@ -525,19 +543,19 @@ def has_device_memory(model: CostModel) -> bool:
     return isinstance(model, AnalyticCostModel) and model.profile.sm_count > 0
 
 
-def cost_model(device: str | None = None, estimate_unseen: bool = False) -> CostModel:
+def cost_model(device: str | None = None, estimate_unseen: bool = False, progress: bool = True) -> CostModel:
     """The cost model for ``device``: ``"cpu"``/``"cuda"`` are profiled on this machine,
     a :data:`DEVICE_PROFILES` name (``"h200"``, ``"a100"``...) is analytic; ``None`` is ``"cpu"``.
     ``estimate_unseen``: a profiled model prices operators it has not timed from their kin
     once it has timed a graph (:class:`ProfiledCostModel`; what a search with a time budget
-    wants).
+    wants). ``progress``: a profiled model shows a bar while it times operators.
 
     An analytic model uses TF32 for fp32 matmuls and convolutions as this process's
     PyTorch settings say (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``).
     """
     name = (device or "cpu").lower()
     if name in ("cpu", "cuda"):
-        return ProfiledCostModel(name, estimate_unseen=estimate_unseen)
+        return ProfiledCostModel(name, progress=progress, estimate_unseen=estimate_unseen)
     if name in DEVICE_PROFILES:
         return AnalyticCostModel(
             DEVICE_PROFILES[name],

@@ -2,18 +2,16 @@
 
 AOTAutograd (``aot_export_module`` with ``trace_joint=True``) traces the step with
 fake tensors and functionalizes it: no in-place op or mutation is left, buffer
-updates (BatchNorm running statistics) become outputs. This module converts that
-fx graph into :class:`magis.ir.Graph`, reading storage aliasing (views, getitem)
-off the fake tensors so the simulator counts memory exactly as the allocator does.
+updates (BatchNorm running statistics) become outputs. The step is the user's
+(:mod:`magis.frontend.step`: their batch, their loss or training step);
+:mod:`magis.frontend.fx_graph` converts the exported graph into :class:`magis.ir.Graph`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,15 +20,12 @@ import torch.fx
 from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from magis.ir.graph import Graph, Node, Ref, Role, Signature, TensorMeta
-
-LossFn = Callable[[Any], torch.Tensor]
-
-
-class CaptureError(RuntimeError):
-    """The model, its inputs or its loss cannot be captured; the message names the cause."""
+from magis.frontend.fx_graph import graph_from_fx
+from magis.frontend.rnn import ExactRNNs
+from magis.frontend.step import BatchSpec, CaptureError, LossFn, TrainingStep, UserStep, as_batch, user_model
+from magis.frontend.step import default_loss as default_loss  # re-exported: the peers' steps import it from here
+from magis.ir.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -39,35 +34,6 @@ class Captured:
 
     graph: Graph
     seconds: float
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The transformers convention: a scalar output is the loss, else ``output.loss``."""
-    if isinstance(output, torch.Tensor):
-        if output.dim() != 0:
-            raise CaptureError(
-                f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss: pass loss_fn"
-            )
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise CaptureError(
-            f"the model returned {type(output).__name__} without a .loss tensor: pass loss_fn(output) -> scalar"
-        )
-    return loss
-
-
-@dataclass(frozen=True, eq=False)
-class Constant:
-    """A tensor baked into the traced program (made inside ``forward``, e.g. ``torch.tensor(-inf)``)."""
-
-    value: torch.Tensor
-    __name__ = "constant"
-
-    def __call__(self) -> torch.Tensor:
-        return self.value
 
 
 Slot = tuple[torch.nn.Module, str, str]  # (module, "_parameters" or "_buffers", attribute)
@@ -124,12 +90,24 @@ class StepModule(torch.nn.Module):
     leaves the other names' inputs unused, without gradient (T5's tied embedding lost
     its gradient that way). Here each tensor is listed once, under its first name,
     and subclasses run the model inside :func:`aliases_bound`.
+
+    Its inputs are the batch's tensors, flattened as ``batch`` records
+    (:class:`~magis.frontend.step.BatchSpec`), or the model's positional arguments
+    when ``batch`` is None.
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: LossFn | None = None,
+        *,
+        training_step: TrainingStep | None = None,
+        batch: BatchSpec | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
-        self.loss_fn = loss_fn
+        self.step = UserStep(loss_fn, training_step)
+        self.batch = batch
         self.aliases = aliased_slots(model)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
@@ -139,13 +117,9 @@ class StepModule(torch.nn.Module):
         return super().named_buffers(prefix, recurse, remove_duplicate=True)
 
     def loss(self, *inputs: Any) -> torch.Tensor:
-        """``loss_fn(model(*inputs))`` (or :func:`default_loss`), checked to be a scalar.
+        """The step's scalar loss on the batch ``inputs`` make (:class:`~magis.frontend.step.UserStep`).
         Callers run it inside ``aliases_bound(self.aliases)``."""
-        output = self.model(*inputs)
-        loss = default_loss(output) if self.loss_fn is None else self.loss_fn(output)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise CaptureError("loss_fn must return a scalar tensor")
-        return loss
+        return self.step.loss(self.model, inputs if self.batch is None else self.batch.rebuild(inputs))
 
 
 class _TrainingStep(StepModule):
@@ -156,30 +130,38 @@ class _TrainingStep(StepModule):
             return (self.loss(*inputs),)
 
 
-def capture(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> Graph:
-    """Trace ``loss_fn(model(*example_inputs))`` and its backward into one :class:`Graph`.
+def capture(
+    model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *, training_step: TrainingStep | None = None
+) -> Graph:
+    """Trace one training step on ``batch`` and its backward into one :class:`Graph`.
 
+    ``batch``, ``loss_fn`` and ``training_step`` are the user's step
+    (:mod:`magis.frontend.step`): ``loss_fn(model(*batch))`` or ``training_step(model,
+    *batch)``, a mapping passed as keyword arguments. The graph's user inputs are the
+    batch's tensors in :class:`~magis.frontend.step.BatchSpec`'s order, made contiguous.
     The model may hold real or fake tensors (a model built under ``FakeTensorMode``
     traces without allocating its weights). Returns the functional joint graph whose
     outputs are the loss, every parameter gradient and every buffer update.
     """
-    return capture_timed(model, example_inputs, loss_fn).graph
+    return capture_timed(model, batch, loss_fn, training_step=training_step).graph
 
 
-def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: LossFn | None = None) -> Captured:
+def capture_timed(
+    model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *, training_step: TrainingStep | None = None
+) -> Captured:
     """:func:`capture`, also reporting the seconds it took."""
-    if not isinstance(model, torch.nn.Module):
-        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(example_inputs, (tuple, list)):
-        raise CaptureError("example_inputs must be a tuple of positional arguments")
+    model = user_model(model)
+    spec = BatchSpec.of(batch)
+    step = _TrainingStep(model, loss_fn, training_step=training_step, batch=spec)
     if not any(p.requires_grad for p in model.parameters()):
         raise CaptureError("the model has no parameter that requires grad: there is no training step to capture")
     start = time.perf_counter()
-    step = _TrainingStep(model, loss_fn)
+    example_inputs = spec.tensors(as_batch(batch))
     try:
         with (
             _without_stack_traces(),
             traced_as_by_compile(),
+            ExactRNNs(model),  # nn.LSTM/GRU/RNN as eager runs them, inter-layer dropout included
             FusedAttentionMasks() if _on_cuda(model) else contextlib.nullcontext(),
             planning_mode(model, example_inputs) as inputs,
         ):
@@ -195,6 +177,7 @@ def capture_timed(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
     fuse_silu_backward(gm)
+    gradients_laid_out_as_parameters(gm, sig)
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start)
@@ -399,6 +382,12 @@ def explain_capture_failure(err: Exception) -> str:
         )
     if "DynamicOutputShape" in kind or "dynamic output shape" in text.lower():
         return f"an op has a data-dependent output shape (e.g. nonzero, masked_select, unique): {first}"
+    if "convert all Tensors to FakeTensors" in text:
+        return (
+            "the step uses a tensor that is neither a parameter, a buffer nor in the batch (e.g. a loss "
+            "closing over the labels): pass them in the batch and take them in training_step(model, *batch); "
+            f"{first}"
+        )
     return f"could not capture the training step: {first}"
 
 
@@ -434,6 +423,40 @@ def fuse_silu_backward(gm: torch.fx.GraphModule) -> int:
     return len(replace_pattern(gm, _silu_backward_decomposed, _silu_backward_fused))
 
 
+def gradients_laid_out_as_parameters(gm: torch.fx.GraphModule, sig: Any) -> int:
+    """Copy each gradient that is a view, or laid out unlike its parameter, into the parameter's layout.
+
+    A plan leaves each gradient in ``.grad``, which must be laid out like its parameter, as
+    eager's ``AccumulateGrad`` copies a gradient that is not (e.g. the transposed product an
+    unrolled recurrent layer's weight gets). Done in the graph, the copy is a node the
+    simulator counts and the scheduler places as soon as the gradient is final, freeing the
+    product it came from; done after the step, it would cost memory no simulation saw.
+    ``sig``'s gradient names are updated to the copies. Returns how many gradients were copied.
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    params = {p: nodes[name] for name, p in sig.inputs_to_parameters.items()}
+    renamed: dict[str, str] = {}
+    for name, param_name in sig.backward_signature.gradients_to_parameters.items():
+        grad, param = nodes[name], params[param_name].meta["val"]
+        schema = getattr(grad.target, "_schema", None)
+        is_view = schema is not None and any(r.alias_info for r in schema.returns)
+        if not (is_view or grad.meta["val"].stride() != param.stride()) or not param.is_contiguous():
+            continue
+        with gm.graph.inserting_after(grad):
+            laid_out = gm.graph.call_function(
+                torch.ops.aten.clone.default, (grad,), {"memory_format": torch.contiguous_format}
+            )
+        grad.replace_all_uses_with(laid_out, delete_user_cb=lambda user: user.op == "output")
+        renamed[name] = laid_out.name
+    if renamed:
+        gradients = sig.backward_signature.gradients_to_parameters
+        relabelled = {renamed.get(name, name): p for name, p in gradients.items()}
+        gradients.clear()
+        gradients.update(relabelled)
+        gm.recompile()
+    return len(renamed)
+
+
 def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
     """Re-run the exported graph on fresh fake tensors so ``meta['val']`` shares storage
     wherever the real run would (the exported metadata loses view relationships)."""
@@ -444,192 +467,3 @@ def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
             for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
         ]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-
-
-def _unprefix(name: str) -> str:
-    return name.removeprefix("model.")
-
-
-def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
-    """Convert AOTAutograd's joint fx graph and its signature into a :class:`Graph`."""
-    signature = Signature(
-        parameters={k: _unprefix(v) for k, v in sig.inputs_to_parameters.items()},
-        buffers={k: _unprefix(v) for k, v in sig.inputs_to_buffers.items()},
-        user_inputs=tuple(sig.user_inputs),
-        loss=sig.user_outputs[0],
-        gradients={_unprefix(p): name for name, p in sig.backward_signature.gradients_to_parameters.items()},
-        buffer_updates={_unprefix(b): name for name, b in sig.buffers_to_mutate.items()},
-    )
-    return graph_from_step_fx(gm, signature)
-
-
-def graph_from_step_fx(gm: torch.fx.GraphModule, signature: Signature) -> Graph:
-    """Convert a functional fx graph of a whole training step into a :class:`Graph`.
-
-    ``gm`` holds forward, loss and backward, with fake values in ``meta['val']`` (see
-    :func:`propagate_fake_values`); its outputs are the step's outputs. ``signature``
-    names its parameter, buffer and user-input placeholders, the loss node, and the
-    gradient and buffer-update nodes; node roles are read from it.
-    """
-    fx_nodes = list(gm.graph.nodes)
-    output_node = fx_nodes[-1]
-    assert output_node.op == "output"
-    out_args = list(output_node.args[0])
-    grads = signature.gradients
-    updates = signature.buffer_updates
-    loss = signature.loss
-    loss_ancestors = _fx_ancestors(gm, loss)
-
-    storage_owner: dict[StorageWeakRef, tuple[str, int]] = {}
-    elements: dict[str, tuple[tuple[str, int] | None, ...]] = {}  # node -> root storage per element
-    nodes: list[Node] = []
-    for fn in fx_nodes[:-1]:
-        if fn.op == "placeholder":
-            target, args, kwargs = None, (), ()
-            role = (
-                Role.PARAMETER
-                if fn.name in signature.parameters
-                else Role.BUFFER
-                if fn.name in signature.buffers
-                else Role.INPUT
-            )
-        elif fn.op == "get_attr":
-            target, args, kwargs, role = Constant(getattr(gm, fn.target)), (), (), Role.CONSTANT
-        elif fn.op == "call_function":
-            target = fn.target
-            _check_supported(fn)
-            args = _to_refs(fn.args)
-            kwargs = tuple(sorted((k, _to_refs(v)) for k, v in fn.kwargs.items()))
-            role = _role(fn.name, loss, loss_ancestors, grads, updates)
-        else:
-            raise CaptureError(f"unexpected fx node {fn.op} {fn.target} in the captured graph")
-        val = fn.meta.get("val")
-        tuple_output = isinstance(val, (tuple, list))
-        vals = list(val) if tuple_output else [val]
-        inputs = [n.name for n in fn.all_input_nodes]
-        inputs = list(dict.fromkeys(inputs))
-        metas: list[TensorMeta | None] = []
-        aliases: list[tuple[int, int] | None] = []
-        roots: list[tuple[str, int] | None] = []
-        for e, v in enumerate(vals):
-            if not isinstance(v, torch.Tensor):
-                if v is not None:
-                    raise CaptureError(f"op {fn.target} returns a non-tensor value ({type(v).__name__})")
-                metas.append(None)
-                aliases.append(None)
-                roots.append(None)
-                continue
-            key = StorageWeakRef(v.untyped_storage())
-            metas.append(TensorMeta.of(v))
-            root = storage_owner.get(key)
-            if root is None:
-                storage_owner[key] = (fn.name, e)
-                aliases.append(None)
-                roots.append((fn.name, e))
-            else:
-                aliases.append(_alias_position(root, inputs, elements, fn))
-                roots.append(root)
-        elements[fn.name] = tuple(roots)
-        random = draws_random_numbers(target, fn.args, fn.kwargs)
-        nodes.append(
-            Node(
-                name=fn.name,
-                target=target,
-                args=args,
-                kwargs=kwargs,
-                outputs=tuple(metas),
-                aliases=tuple(aliases),
-                role=role,
-                random=random,
-                tuple_output=tuple_output,
-            )
-        )
-
-    outputs = tuple(a.name for a in out_args if isinstance(a, torch.fx.Node))
-    nodes = _drop_dead(nodes, set(outputs))
-    randoms = [n.name for n in nodes if n.random]
-    order_edges = tuple(itertools.pairwise(randoms))
-    return Graph(tuple(nodes), outputs, signature, order_edges)
-
-
-def draws_random_numbers(target: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether the op reads the random stream: it is tagged ``nondeterministic_seeded``,
-    unless its randomness is a ``dropout_p`` argument that is zero (fused attention
-    without dropout draws nothing, and so may be split or recomputed like any op)."""
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
-        return False
-    names = [a.name for a in target._schema.arguments]
-    if "dropout_p" not in names:
-        return True
-    position = names.index("dropout_p")
-    dropout_p = args[position] if position < len(args) else kwargs.get("dropout_p", 0.0)
-    return dropout_p != 0
-
-
-def _alias_position(
-    root: tuple[str, int],
-    inputs: list[str],
-    elements: dict[str, tuple[tuple[str, int] | None, ...]],
-    fn: torch.fx.Node,
-) -> tuple[int, int]:
-    """The (input position, element) whose storage this view shares."""
-    for pos, name in enumerate(inputs):
-        for k, r in enumerate(elements[name]):
-            if r == root:
-                return (pos, k)
-    raise CaptureError(f"{fn.name} ({fn.target}) aliases a tensor that is not one of its inputs")
-
-
-def _check_supported(fn: torch.fx.Node) -> None:
-    target = fn.target
-    if target is operator.getitem:
-        return
-    if not isinstance(target, torch._ops.OpOverload):
-        raise CaptureError(f"unsupported operation {target!r} in the captured graph (node {fn.name})")
-    if target._schema.is_mutable:
-        raise CaptureError(f"in-place op {target} survived functionalization (node {fn.name}); it cannot be reordered")
-
-
-def _to_refs(value: Any) -> Any:
-    if isinstance(value, torch.fx.Node):
-        return Ref(value.name)
-    if isinstance(value, tuple):
-        return tuple(_to_refs(v) for v in value)
-    if isinstance(value, list):
-        return [_to_refs(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_refs(v) for k, v in value.items()}
-    return value
-
-
-def _fx_ancestors(gm: torch.fx.GraphModule, name: str) -> set[str]:
-    by_name = {n.name: n for n in gm.graph.nodes}
-    seen: set[str] = set()
-    stack = [by_name[name]]
-    while stack:
-        n = stack.pop()
-        if n.name not in seen:
-            seen.add(n.name)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _role(name: str, loss: str, forward: set[str], grads: dict[str, str], updates: dict[str, str]) -> Role:
-    if name == loss:
-        return Role.LOSS
-    if name in grads.values():
-        return Role.GRADIENT
-    if name in updates.values():
-        return Role.BUFFER_UPDATE
-    return Role.ACTIVATION if name in forward else Role.BACKWARD
-
-
-def _drop_dead(nodes: list[Node], outputs: set[str]) -> list[Node]:
-    """Remove pure nodes whose value nobody reads (AOTAutograd leaves some ``detach``)."""
-    used: set[str] = set(outputs)
-    keep: list[Node] = []
-    for n in reversed(nodes):
-        if n.name in used or n.is_input or n.random:
-            keep.append(n)
-            used.update(n.inputs)
-    return keep[::-1]

@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
+from magis.analysis.axes import scale_sizes
 from magis.analysis.dgraph import DGraph, build_dgraph
-from magis.analysis.dim_rules import scale_sizes
-from magis.analysis.ftrans import FTrans, Plan, plan_fission, reach
-from magis.backend.runtime import Program, execute, lower
+from magis.analysis.ftrans import FissionBoundary, FTrans, plan_fission, reach
+from magis.backend.runtime import Program, bind_arguments, execute, lower
+from magis.cost.latency import CostModel
 from magis.cost.memory import MemoryProfile, simulate_memory
-from magis.cost.profiler import bind_arguments
+from magis.cost.region_latency import merge_graph_of, region_seconds
 from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta
 
 aten = torch.ops.aten
@@ -103,7 +104,7 @@ def fissioned_order(graph: Graph, order: Sequence[str], result: Graph, nodes: It
     return tuple(new)
 
 
-def part_graph(graph: Graph, dgraph: DGraph, f: FTrans, plan: Plan) -> Graph:
+def part_graph(graph: Graph, dgraph: DGraph, f: FTrans, plan: FissionBoundary) -> Graph:
     """The graph of one part: the sliced inputs as graph inputs, then ``S`` with its
     shapes and size constants divided by ``n``; its outputs are ``S``'s outputs.
 
@@ -137,7 +138,7 @@ def part_graph(graph: Graph, dgraph: DGraph, f: FTrans, plan: Plan) -> Graph:
     return Graph(tuple(placeholders + copies + body), plan.outputs)
 
 
-def whole_graph(graph: Graph, f: FTrans, plan: Plan) -> Graph:
+def whole_graph(graph: Graph, f: FTrans, plan: FissionBoundary) -> Graph:
     """``S`` on its own, unsplit: its inputs as graph inputs (in the plan's order), its nodes as they are."""
     placeholders = [
         Node(name, None, outputs=(graph[name].meta,), aliases=(None,), role=Role.INPUT) for name in plan.inputs
@@ -260,28 +261,16 @@ class FissionRegion:
             self._layouts[key] = _meta_strides(self.whole, inputs)
         return self._layouts[key]
 
-    def estimate_seconds(self, cost_model: Any) -> float:
-        """``n`` times one part's operators, plus writing each part's results into place:
-        the latency :mod:`magis.cost.latency` asks a self-describing target for."""
-        part = sum(cost_model.node_seconds(self.graph, n.name) for n in self.graph.nodes)
-        merge = sum(cost_model.node_seconds(self.merge_graph, n.name) for n in self.merge_graph.nodes)
-        return self.parts * (part + merge)
+    def estimate_seconds(self, cost_model: CostModel) -> float:
+        """The latency :mod:`magis.cost.latency` asks a self-describing target for
+        (:func:`magis.cost.region_latency.region_seconds`)."""
+        return region_seconds(cost_model, self.graph, self.merge_graph, self.parts)
 
     @cached_property
     def merge_graph(self) -> Graph:
-        """The work of putting one part's results in place, as operators a cost model can
-        price: a copy (``clone``) per concatenated result, an ``add`` per summed one."""
-        nodes: list[Node] = []
-        for i, (name, dim) in enumerate(zip(self.graph.outputs, self.concat_dims)):
-            meta = _fresh_meta(self.graph[name].meta)
-            nodes.append(Node(f"part{i}", None, outputs=(meta,), aliases=(None,), role=Role.INPUT))
-            op, args = (
-                (aten.clone.default, (Ref(f"part{i}"),))
-                if dim is not None
-                else (aten.add.Tensor, (Ref(f"part{i}"), Ref(f"part{i}")))
-            )
-            nodes.append(Node(f"merge{i}", op, args, outputs=(meta,), aliases=(None,)))
-        return Graph(tuple(nodes), tuple(n.name for n in nodes[1::2]))
+        """Putting one part's results in place (:func:`magis.cost.region_latency.merge_graph_of`),
+        built once: a cost model keeps its prices per graph object."""
+        return merge_graph_of([_fresh_meta(self.graph[name].meta) for name in self.graph.outputs], self.concat_dims)
 
 
 def _meta_strides(graph: Graph, inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], ...]:

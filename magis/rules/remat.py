@@ -25,7 +25,7 @@ embedding lookups, casts, mean and sum); matrix products and convolutions only w
 ``heavy=True`` (Echo §IV-B notes their gradients need only their inputs, so recomputing them is
 the costly choice).
 
-Random numbers are never drawn again (DESIGN.md): a random op is never copied. The
+Random numbers are never drawn again (docs/design.md): a random op is never copied. The
 output of a dropout is recomputed from the mask it saved, ``input * mask * scale``
 (``native_dropout_backward``, the very formula of the op), so the copy is bit for bit
 the first execution's value.

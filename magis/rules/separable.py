@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from magis.analysis.dim_rules import bind
+from magis.analysis.axes import bind
 from magis.ir.graph import Graph, Node, Ref, Role
 from magis.rules.builder import NodeBuilder
 
@@ -106,7 +106,10 @@ def predraw_dropout_masks(graph: Graph) -> Graph:
     ``native_dropout_backward``). The draw keeps the original's place in the chain of
     random ops, so every mask is the captured one. Dropouts whose input layout is not
     recorded, or whose input may start inside its storage (CUDA's fused kernel picks
-    its vector width from the address), stay as they are and out of fission regions."""
+    its vector width from the address), stay as they are and out of fission regions;
+    so do dropouts narrower than float32: CPU's kernel multiplies by the scale rounded
+    to bfloat16/float16, CUDA's by the float scale, and no one formula after the draw
+    equals both (on CPU, ``x * mask * scale`` put a bf16 step's loss 1% off eager's)."""
     anchor = device_anchor(graph)
     edit = _Edit()
     for node in graph.nodes:
@@ -115,7 +118,13 @@ def predraw_dropout_masks(graph: Graph) -> Graph:
         args = bind(node)
         x, p, train = args["input"], float(args["p"]), args["train"]
         meta = graph[x.name].meta
-        if train is not True or not 0.0 < p < 1.0 or meta.strides is None or not starts_its_storage(graph, x.name):
+        if (
+            train is not True
+            or not 0.0 < p < 1.0
+            or meta.strides is None
+            or meta.dtype.itemsize < 4
+            or not starts_its_storage(graph, x.name)
+        ):
             continue
         output, mask = _elements(graph, node.name)
         if not output:  # nothing applies the mask: a draw already

@@ -220,21 +220,55 @@ def segment_problem(
         pos = {name: i for i, name in enumerate(order)}
     units, inert = group_units(graph, facts, order[lo:hi])
     unit_of = {name: u for u, names in enumerate(units) for name in names}
-    n = len(units)
-    preds_mask = [0] * n
+    preds_mask, succs = _unit_edges(graph, units, unit_of)
+    cost = [facts.alloc[names[0]] + graph[names[0]].workspace for names in units]
+    alloc = [facts.alloc[names[0]] for names in units]
+    frees, read, start_live = _storage_effects(graph, facts, units, unit_of, pos, lo, hi)
+    floor = [c + r for c, r in zip(cost, read)]
+    return OrderingProblem(
+        units=tuple(tuple(u) for u in units),
+        preds=tuple(preds_mask),
+        succs=tuple(tuple(s) for s in succs),
+        cost=tuple(cost),
+        alloc=tuple(alloc),
+        frees=tuple(tuple(f.items()) for f in frees),
+        start_live=start_live,
+        inert=tuple(inert),
+        floor=tuple(floor),
+    )
+
+
+def _unit_edges(graph: Graph, units: list[list[str]], unit_of: dict[str, int]) -> tuple[list[int], list[list[int]]]:
+    """The DAG of the units: each unit's predecessors (a bitset) and its successors."""
+    preds_mask = [0] * len(units)
     for name, u in unit_of.items():
         for p in graph.predecessors[name]:
             v = unit_of.get(p)
             if v is not None and v != u:
                 preds_mask[u] |= 1 << v
-    succs: list[list[int]] = [[] for _ in range(n)]
+    succs: list[list[int]] = [[] for _ in units]
     for u, mask in enumerate(preds_mask):
         for v in bits(mask):
             succs[v].append(u)
-    cost = [facts.alloc[names[0]] + graph[names[0]].workspace for names in units]
-    alloc = [facts.alloc[names[0]] for names in units]
-    frees: list[dict[int, int]] = [{} for _ in range(n)]
-    floor = list(cost)
+    return preds_mask, succs
+
+
+def _storage_effects(
+    graph: Graph,
+    facts: MemoryFacts,
+    units: list[list[str]],
+    unit_of: dict[str, int],
+    pos: dict[str, int],
+    lo: int,
+    hi: int,
+) -> tuple[list[dict[int, int]], list[int], int]:
+    """What the storages the segment ``order[lo:hi]`` touches do there, those constant over
+    it (persistent, or made before it and live after it) left out: per unit, the bytes
+    it frees by the set of readers that must all have run (``frees``) and the bytes of
+    storages it reads but did not make (live at its step); and the bytes made before the
+    segment and freed inside it."""
+    frees: list[dict[int, int]] = [{} for _ in units]
+    read = [0] * len(units)
     start_live = 0
     storages = graph.storages
     touched = {k for name in unit_of for p in (name, *graph.predecessors[name]) for k in storages[p]}
@@ -258,20 +292,10 @@ def segment_problem(
             if not kept:
                 frees[u][mask] = frees[u].get(mask, 0) + nbytes
             if units[u][0] != key[0]:  # a reader (the maker has the bytes in its cost)
-                floor[u] += nbytes
+                read[u] += nbytes
         if made_before and not kept:
             start_live += nbytes
-    return OrderingProblem(
-        units=tuple(tuple(u) for u in units),
-        preds=tuple(preds_mask),
-        succs=tuple(tuple(s) for s in succs),
-        cost=tuple(cost),
-        alloc=tuple(alloc),
-        frees=tuple(tuple(f.items()) for f in frees),
-        start_live=start_live,
-        inert=tuple(inert),
-        floor=tuple(floor),
-    )
+    return frees, read, start_live
 
 
 def group_units(graph: Graph, facts: MemoryFacts, names: Sequence[str]) -> tuple[list[list[str]], list[str]]:

@@ -285,17 +285,9 @@ def _greedy(
     batch = 1  # proposals the next round tries together (step 6); the first round takes one
     with collector_paused(), tqdm(desc=f"magis: {kind} greedy", unit="round", disable=not progress) as bar:
         while True:
-            if limits.max_rounds is not None and len(visited) > limits.max_rounds:
-                stopped_by = "round limit"
-                break
-            if time.perf_counter() > deadline:
-                stopped_by = "time budget"
-                break
-            if limits.latency_s is not None and current.latency_s > limits.latency_s:
-                stopped_by = "latency limit"
-                break
-            if limits.peak_bytes is not None and current.peak_bytes <= limits.peak_bytes:
-                stopped_by = "peak limit"
+            limited = _limit_reached(current, len(visited), limits, deadline)
+            if limited is not None:
+                stopped_by = limited
                 break
             step = _best_step(current, model, propose, deadline)
             if step is None:
@@ -322,6 +314,21 @@ def _greedy(
             bar.set_postfix_str(f"peak {current.peak_bytes / 2**20:.1f} MiB, {current.latency_s * 1e3:.3f} ms")
     seconds = time.perf_counter() - start
     return RuleFront(pareto([*visited, *passed]), tuple(visited), stopped_by, seconds, tuple(passed))
+
+
+def _limit_reached(current: FrontPoint, visited: int, limits: _Limits, deadline: float) -> str | None:
+    """Which of ``limits`` stops the greedy before another round from ``current``, the last
+    of ``visited`` points (the first is the start, so ``visited - 1`` rounds ran), as
+    :attr:`RuleFront.stopped_by` names it; ``None`` to go on."""
+    if limits.max_rounds is not None and visited > limits.max_rounds:
+        return "round limit"
+    if time.perf_counter() > deadline:
+        return "time budget"
+    if limits.latency_s is not None and current.latency_s > limits.latency_s:
+        return "latency limit"
+    if limits.peak_bytes is not None and current.peak_bytes <= limits.peak_bytes:
+        return "peak limit"
+    return None
 
 
 def _crossed(before: FrontPoint, after: FrontPoint, limits: _Limits) -> _Limit | None:

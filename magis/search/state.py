@@ -5,6 +5,7 @@ An M-State is a point of the joint search space: a graph the graph rules made
 graph that results when the enabled nodes are fissioned (``graph``, what runs), a
 schedule of it (``order``), and the simulated peak memory and latency of running it
 in that order (MAGIS §5, "Simulator": :mod:`magis.cost.memory`, :mod:`magis.cost.latency`).
+A :class:`Mutation` is a state before it is scheduled and simulated.
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ class MState:
         ]
 
 
+@dataclass(frozen=True)
+class Mutation:
+    """A state before it is scheduled and simulated: its graph, in the order carried over."""
+
+    base: Graph
+    base_order: tuple[str, ...]
+    tree: FTree
+    graph: Graph
+    carried: tuple[str, ...]
+    steps: tuple[Step, ...]  # what made it from its parent (the recompute dive: several remats)
+    #: the carried order is an incremental schedule of ``graph`` itself (a rewrite under an
+    #: F-Tree that fissions nothing): scheduling it again would change nothing
+    scheduled: bool = False
+
+
 def simulate_state(
     base: Graph,
     base_order: Sequence[str],
@@ -91,3 +107,12 @@ def changed_nodes(old: Graph, new: Graph) -> set[str]:
 
     names = set(old.index) | set(new.index)
     return {n for n in names if n not in old or n not in new or signature(old, n) != signature(new, n)}
+
+
+def fission_changes(old: FTree, new: FTree) -> str:
+    """The F-Tree nodes whose fission number changed, e.g. ``input.dim0 (41 nodes): n 1 -> 2``."""
+    return "; ".join(
+        f"{c.label} ({len(c.nodes)} nodes): n {a} -> {b}"
+        for c, a, b in zip(new.candidates, old.parts, new.parts)
+        if a != b
+    )

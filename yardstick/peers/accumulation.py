@@ -22,13 +22,13 @@ numbers per micro-batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from magis.analysis.dim_rules import bind
+from magis.analysis.axes import bind
 from magis.backend.eager import split_batch
 from magis.ir.graph import Graph, Node, Ref, Role, TensorMeta, map_refs
 from magis.rules.separable import NLL_LOSSES
@@ -51,100 +51,151 @@ def accumulated_graph(
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches}")
     micro.check_schedule(order)
-    sig = micro.signature
-    users = set(sig.user_inputs)
-    shared = [n for n in micro.nodes if n.is_input and n.name not in users]
-    full = [_whole_batch(micro[name], micro_batches) for name in sig.user_inputs]
-    nodes: list[Node] = [*shared, *full]
-    grad_nodes = {node: param for param, node in sig.gradients.items()}
-    accumulated: dict[str, str] = {}  # parameter -> node holding its .grad so far
-    updates: dict[str, str] = {}  # buffer input node -> its latest value
-    buffer_inputs = {bname: node for node, bname in sig.buffers.items()}
-    loss_total = ""
+    sums = _Sums()
+    nodes = _batch_inputs(micro, micro_batches)
     edges: list[tuple[str, str]] = []
-    randoms = [name for name in order if micro[name].random]
     for i in range(micro_batches):
+        nodes += _micro_batch_inputs(micro, i)
+        nodes += _copy(micro, order, i, sums, together)
+        edges += _copy_edges(micro, order, i)
+        sums.carry_buffers(micro, i)
+    graph = _summed(micro, nodes, edges, sums, micro_batches - 1)
+    return graph, tuple(n.name for n in graph.nodes)
 
-        def name_in_copy(name: str, i: int = i) -> str:
-            if name in users:
-                return f"mb{i}/{name}"
-            if micro[name].is_input:
-                return updates.get(name, name)
-            return f"mb{i}/{name}"
 
-        def ren(ref: Ref) -> Ref:
-            return Ref(name_in_copy(ref.name))
+@dataclass
+class _Sums:
+    """What the copies so far left: the node holding each parameter's ``.grad``, the loss summed
+    over them, and each buffer's latest value (batch-norm statistics carry to the next copy)."""
 
-        for k, name in enumerate(sig.user_inputs):
-            meta = micro[name].meta
-            size = meta.shape[0]
-            nodes.append(
-                Node(
-                    f"mb{i}/{name}",
-                    aten.slice.Tensor,
-                    (Ref(name), 0, i * size, (i + 1) * size),
-                    outputs=(meta,),
-                    aliases=((0, 0),),
-                    role=Role.ACTIVATION,
-                )
-            )
-            assert full[k].name == name
-        pending: list[Node] = []
-        for name in order:
-            node = micro[name]
-            if node.is_input:
-                continue
-            copy = replace(node, name=f"mb{i}/{name}", args=map_refs(node.args, ren), kwargs=map_refs(node.kwargs, ren))
-            nodes.append(copy)
-            param = grad_nodes.get(name)
-            if param is not None:
-                if i == 0:
-                    accumulated[param] = copy.name
-                else:  # .grad += this micro-batch's gradient, in place
-                    acc = Node(
-                        f"mb{i}/grad/{param}",
-                        aten.add_.Tensor,
-                        (Ref(accumulated[param]), Ref(copy.name)),
-                        outputs=copy.outputs,
-                        aliases=((0, 0),),
-                        role=Role.GRADIENT,
-                    )
-                    (pending if together else nodes).append(acc)
-                    accumulated[param] = acc.name
-            if name == sig.loss:
-                if i == 0:
-                    loss_total = copy.name
-                else:
-                    total = Node(
-                        f"mb{i}/loss_total",
-                        aten.add.Tensor,
-                        (Ref(loss_total), Ref(copy.name)),
-                        outputs=copy.outputs,
-                        aliases=(None,),
-                        role=Role.LOSS,
-                    )
-                    nodes.append(total)
-                    loss_total = total.name
-        nodes += pending
-        edges += [(f"mb{i}/{a}", f"mb{i}/{b}") for a, b in micro.order_edges]
-        if i and randoms:  # the micro-batches draw from one random stream, one after another
-            edges.append((f"mb{i - 1}/{randoms[-1]}", f"mb{i}/{randoms[0]}"))
+    gradients: dict[str, str] = field(default_factory=dict)  # parameter -> node holding its .grad so far
+    loss: str = ""
+    buffers: dict[str, str] = field(default_factory=dict)  # buffer input node -> its latest value
+
+    def add_gradient(self, param: str, gradient: Node, i: int) -> list[Node]:
+        """Copy ``i``'s ``gradient`` of ``param`` into ``.grad``: the first copy's is ``.grad``, a later
+        one is added into it in place (``AccumulateGrad``); the node that adds, if any."""
+        if i == 0:
+            self.gradients[param] = gradient.name
+            return []
+        add = Node(
+            f"mb{i}/grad/{param}",
+            aten.add_.Tensor,
+            (Ref(self.gradients[param]), Ref(gradient.name)),
+            outputs=gradient.outputs,
+            aliases=((0, 0),),
+            role=Role.GRADIENT,
+        )
+        self.gradients[param] = add.name
+        return [add]
+
+    def add_loss(self, loss: Node, i: int) -> list[Node]:
+        """Copy ``i``'s ``loss`` into the total reported; the node that adds, if any."""
+        if i == 0:
+            self.loss = loss.name
+            return []
+        total = Node(
+            f"mb{i}/loss_total",
+            aten.add.Tensor,
+            (Ref(self.loss), Ref(loss.name)),
+            outputs=loss.outputs,
+            aliases=(None,),
+            role=Role.LOSS,
+        )
+        self.loss = total.name
+        return [total]
+
+    def carry_buffers(self, micro: Graph, i: int) -> None:
+        """The buffers copy ``i`` updates are what the next copy reads."""
+        sig = micro.signature
+        buffer_inputs = {bname: node for node, bname in sig.buffers.items()}
         for bname, node in sig.buffer_updates.items():
-            updates[buffer_inputs[bname]] = f"mb{i}/{node}"
-    last = micro_batches - 1
-    final = {
-        sig.loss: loss_total,
-        **{node: accumulated[param] for node, param in grad_nodes.items()},
-    }
+            self.buffers[buffer_inputs[bname]] = f"mb{i}/{node}"
+
+
+def _batch_inputs(micro: Graph, micro_batches: int) -> list[Node]:
+    """The inputs every copy shares: parameters and buffers as they are, user inputs as the full batch."""
+    users = set(micro.signature.user_inputs)
+    shared = [n for n in micro.nodes if n.is_input and n.name not in users]
+    return [*shared, *(_whole_batch(micro[name], micro_batches) for name in micro.signature.user_inputs)]
+
+
+def _micro_batch_inputs(micro: Graph, i: int) -> list[Node]:
+    """Copy ``i``'s user inputs: views of the ``i``-th slice of the full batch."""
+    nodes = []
+    for name in micro.signature.user_inputs:
+        meta = micro[name].meta
+        size = meta.shape[0]
+        nodes.append(
+            Node(
+                f"mb{i}/{name}",
+                aten.slice.Tensor,
+                (Ref(name), 0, i * size, (i + 1) * size),
+                outputs=(meta,),
+                aliases=((0, 0),),
+                role=Role.ACTIVATION,
+            )
+        )
+    return nodes
+
+
+def _copy(micro: Graph, order: Sequence[str], i: int, sums: _Sums, together: bool) -> list[Node]:
+    """Copy ``i`` of the step's nodes in ``order``, reading its own inputs and the buffers' latest values;
+    each gradient is added into ``.grad`` right after it (``together``: after the copy's last node)
+    and the loss into the total."""
+    sig = micro.signature
+    params = _parameter_of(micro)
+    users = set(sig.user_inputs)
+
+    def ren(ref: Ref) -> Ref:
+        name = ref.name
+        if name not in users and micro[name].is_input:
+            return Ref(sums.buffers.get(name, name))
+        return Ref(f"mb{i}/{name}")
+
+    nodes: list[Node] = []
+    pending: list[Node] = []
+    for name in order:
+        node = micro[name]
+        if node.is_input:
+            continue
+        copy = replace(node, name=f"mb{i}/{name}", args=map_refs(node.args, ren), kwargs=map_refs(node.kwargs, ren))
+        nodes.append(copy)
+        if name in params:
+            (pending if together else nodes).extend(sums.add_gradient(params[name], copy, i))
+        if name == sig.loss:
+            nodes += sums.add_loss(copy, i)
+    return nodes + pending
+
+
+def _copy_edges(micro: Graph, order: Sequence[str], i: int) -> list[tuple[str, str]]:
+    """The step's order edges within copy ``i``, and, after the first, the random stream carried
+    from the previous copy: the micro-batches draw from one random stream, one after another."""
+    edges = [(f"mb{i}/{a}", f"mb{i}/{b}") for a, b in micro.order_edges]
+    randoms = [name for name in order if micro[name].random]
+    if i and randoms:
+        edges.append((f"mb{i - 1}/{randoms[-1]}", f"mb{i}/{randoms[0]}"))
+    return edges
+
+
+def _summed(micro: Graph, nodes: list[Node], edges: list[tuple[str, str]], sums: _Sums, last: int) -> Graph:
+    """The copies as one step: its loss the total, its gradients the ``.grad`` sums, its buffers
+    the last copy's; the other outputs the last copy's."""
+    sig = micro.signature
+    final = {sig.loss: sums.loss, **{node: sums.gradients[param] for node, param in _parameter_of(micro).items()}}
     outputs = tuple(final.get(name, f"mb{last}/{name}") for name in micro.outputs)
     signature = replace(
         sig,
-        loss=loss_total,
-        gradients=dict(accumulated),
+        loss=sums.loss,
+        gradients=dict(sums.gradients),
         buffer_updates={bname: f"mb{last}/{node}" for bname, node in sig.buffer_updates.items()},
     )
-    graph = Graph(tuple(nodes), outputs, signature, tuple(edges))
-    return graph, tuple(n.name for n in graph.nodes)
+    return Graph(tuple(nodes), outputs, signature, tuple(edges))
+
+
+def _parameter_of(micro: Graph) -> dict[str, str]:
+    """The parameter each gradient node of ``micro`` is the gradient of."""
+    return {node: param for param, node in micro.signature.gradients.items()}
 
 
 def _whole_batch(node: Node, micro_batches: int) -> Node:

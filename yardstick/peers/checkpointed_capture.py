@@ -34,10 +34,10 @@ from magis.frontend.capture import (
     StepModule,
     aliases_bound,
     explain_capture_failure,
-    graph_from_step_fx,
     propagate_fake_values,
     traced_as_by_compile,
 )
+from magis.frontend.fx_graph import graph_from_step_fx
 from magis.ir.graph import Graph, Signature
 
 _PREFIX = "model."

@@ -52,9 +52,9 @@ from magis.frontend.capture import (
     LossFn,
     default_loss,
     explain_capture_failure,
-    graph_from_step_fx,
     propagate_fake_values,
 )
+from magis.frontend.fx_graph import graph_from_step_fx
 from magis.ir.graph import Graph, Signature
 
 aten = torch.ops.aten

@@ -431,8 +431,15 @@ class _Program:
         n = len(st)
         self.defined: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # per stage: (column, its row)
         self.steps: list[list[int]] = [[] for _ in range(n)]  # per stage: the budget row of each run
-        inf = highspy.kHighsInf
-        self.R = [
+        self.R, self.S = self._decisions()
+        self._dependency_rows()
+        self._memory_rows()
+
+    def _decisions(self) -> tuple[list[list[int]], list[dict[int, int]]]:
+        """The columns ``R[t][k]`` (stage ``t`` computes run ``k``) and ``S[t][v]`` (value ``v`` is
+        resident as stage ``t`` starts; only values a stage from ``t`` on may use)."""
+        st, n = self.st, len(self.st)
+        R = [
             [
                 self.col(st.cost[k], 1.0 if k == t else 0.0, 0.0 if k in st.fixed and k < t else 1.0)
                 for k in range(t + 1)
@@ -443,11 +450,17 @@ class _Program:
         def useful(v: int, t: int) -> bool:  # a stage from t on may read it, or recompute a reader
             return any(j >= t or j not in st.fixed for j in st.values[v].readers)
 
-        self.S = [
+        S = [
             {v: self.col(0.0, 0.0, 1.0) for v, value in enumerate(st.values) if value.unit < t and useful(v, t)}
             for t in range(n + 1)
         ]
-        for t in range(n):
+        return R, S
+
+    def _dependency_rows(self) -> None:
+        """A run's inputs are resident or computed earlier in its stage; a value is kept only if it
+        was resident or computed."""
+        st, inf = self.st, highspy.kHighsInf
+        for t in range(len(st)):
             for k in range(t + 1):  # dependencies: resident or computed earlier in the stage
                 if self.upper[self.R[t][k]] == 0.0:
                     continue
@@ -458,11 +471,15 @@ class _Program:
                 if v in self.S[t]:
                     coeffs[self.S[t][v]] = -1.0
                 self.row(coeffs, -inf, 0.0)
+
+    def _memory_rows(self) -> None:
+        """Memory ``U[t][k]`` after each run ``k`` of each stage ``t``, by its balance, within the budget."""
+        st, inf = self.st, highspy.kHighsInf
         # bytes as fractions of the budget: rows near 1, so HiGHS' tolerances stay below a byte
-        b = 1.0 / budget
+        b = 1.0 / self.budget
         size = st.size
         kept_before = np.cumsum([0, *st.kept])
-        for t in range(n):
+        for t in range(len(st)):
             previous = None
             for k in range(t + 1):
                 u = self.col(0.0, -inf, inf, integer=False)

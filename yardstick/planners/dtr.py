@@ -10,7 +10,7 @@ recursively. Values no later operator reads are freed at once (the reference cou
 drops: the paper's "banishing"). Never evicted here: parameters and inputs, the
 bytes of graph outputs (gradients, loss), the inputs of the operator being computed
 (locked), and every random op's value: a dropout mask is never drawn again
-(DESIGN.md's rule; the paper's implementation replays the RNG state instead). So a
+(a rule of docs/design.md; the paper's implementation replays the RNG state instead). So a
 random value is freed only once no evicted reader may need it, and what read it
 can then no longer be recomputed either: it is not evicted.
 

@@ -11,7 +11,7 @@ the storages its producer allocates; those read by the same units form one
 :class:`Value`, freed after its last reader, so a multi-output operator (batch norm's
 output beside its saved statistics) frees each output when its own readers are done,
 as the simulator does. Random ops are computed once (dropout is never drawn twice:
-DESIGN.md), and so is a unit whose storage another unit views; the bytes of graph
+docs/design.md), and so is a unit whose storage another unit views; the bytes of graph
 outputs (gradients, loss, buffer updates) live to the end. A unit with outputs may be
 computed again (batch norm, whose running statistics are outputs): its copies of them
 equal the step's, so their readers read the step's outputs and the copies are freed at once.

@@ -1,0 +1,254 @@
+"""The captured step against eager PyTorch: the same batch, the same seed, the same state.
+
+docs/design.md: "A capture that differs from eager is refused before it is planned,
+never run." :func:`run_both` runs one eager step (:func:`~magis.backend.eager.eager_step`)
+and the captured graph from the same random state and the same buffers, and leaves
+the model as it found them: buffers, ``.grad`` and the caller's generators.
+:func:`verify_capture` compares the loss, every gradient and every buffer update
+within the step's precision (:data:`~magis.backend.eager.GRADIENT_TOLERANCE`) and
+raises :class:`CaptureMismatch` naming the largest difference and what is suspected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from magis.backend.eager import (
+    GRADIENT_TOLERANCE,
+    NOISE_FLOOR,
+    GradientComparison,
+    buffers_snapshot,
+    compare_gradients,
+    eager_step,
+    restore_buffers,
+    slice_batch,
+)
+from magis.backend.meter import peak_meter
+from magis.backend.runtime import StepResult, run_step
+from magis.frontend.capture import capture
+from magis.frontend.conditions import autocast_off, autocast_state
+from magis.frontend.fx_graph import draws_random_numbers
+from magis.frontend.step import BatchSpec, CaptureError, UserStep, as_batch
+from magis.ir.graph import Graph, Role
+
+
+class CaptureMismatch(CaptureError):
+    """The captured step computes another loss, gradients or buffer updates than eager
+    PyTorch on the same batch and seed: it is refused, never planned. The message names
+    the largest difference and what is suspected."""
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Whether the captured step was checked against eager, and what was found (or why not)."""
+
+    verified: bool
+    note: str
+
+
+@dataclass
+class BothSteps:
+    """One eager step and one run of the graph, from the same state and seed."""
+
+    reference: StepResult  # eager's loss and gradients
+    result: StepResult  # the graph's, its buffer updates included
+    buffers_before: dict[str, torch.Tensor]
+    buffers_after: dict[str, torch.Tensor]  # eager's buffers after its step
+    eager_peak_bytes: int = 0
+    measured_peak_bytes: int = 0
+
+
+def run_both(
+    graph: Graph,
+    order: Sequence[str] | None,
+    model: torch.nn.Module,
+    batch: Any,
+    step: UserStep,
+    seed: int = 0,
+    measure: bool = False,
+) -> BothSteps:
+    """Eager's step, then ``graph`` in ``order`` (autocast off: it holds its casts), each from
+    ``seed`` and the same buffers, with ``measure`` each measured
+    (:func:`~magis.backend.meter.peak_meter`); the model's buffers, ``.grad`` and the
+    generators are as before afterwards."""
+    inputs = BatchSpec.of(batch).tensors(batch)
+    constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
+    with _model_kept(model) as before, forked_rng(model):
+        with peak_meter(model, inputs) if measure else _Unmeasured() as eager_meter:
+            torch.manual_seed(seed)
+            reference = eager_step(model, batch, step.loss_fn, training_step=step.training_step)
+        after = buffers_snapshot(model)
+        restore_buffers(model, before)
+        with peak_meter(model, [*inputs, *constants]) if measure else _Unmeasured() as meter, autocast_off():
+            torch.manual_seed(seed)
+            result = run_step(graph, model, inputs, order, apply_buffer_updates=False)
+    return BothSteps(reference, result, before, after, eager_meter.peak_bytes, meter.peak_bytes)
+
+
+def step_precision(model: torch.nn.Module) -> torch.dtype:
+    """The narrowest floating dtype the step computes in: its trainable parameters', or
+    autocast's on the model's device."""
+    params = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    dtypes = {p.dtype for p in params}
+    device = params[0].device.type if params else "cpu"
+    dtypes |= {dtype for kind, dtype in autocast_state() if kind == device and dtype is not None}
+    return min(dtypes or {torch.float32}, key=lambda dtype: (dtype.itemsize, dtype != torch.bfloat16))
+
+
+def compare_steps(both: BothSteps, precision: torch.dtype) -> tuple[float, GradientComparison]:
+    """The loss's relative difference, and every gradient and every buffer eager or the graph
+    changed, the graph's against eager's (:func:`~magis.backend.eager.compare_gradients`)."""
+    loss = compare_gradients({"loss": both.reference.loss}, {"loss": both.result.loss}).max_error
+    reference, other = dict(both.reference.gradients), dict(both.result.gradients)
+    for name, value in both.buffers_after.items():
+        if not torch.equal(value, both.buffers_before[name]) or name in both.result.buffer_updates:
+            reference[f"buffer {name}"] = value
+            other[f"buffer {name}"] = both.result.buffer_updates.get(name, both.buffers_before[name])
+    return loss, compare_gradients(reference, other, NOISE_FLOOR.get(precision, 1e-6))
+
+
+def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int = 0) -> Verification:
+    """Check ``graph`` against eager on ``batch`` (module docstring): the verification, or
+    :class:`CaptureMismatch`."""
+    precision = step_precision(model)
+    tolerance = GRADIENT_TOLERANCE.get(precision, GRADIENT_TOLERANCE[torch.float32])
+    loss, comparison = compare_steps(run_both(graph, None, model, batch, step, seed), precision)
+    largest = max(loss, comparison.max_error)
+    if comparison.same_names and largest <= tolerance:
+        return Verification(
+            True,
+            f"loss, gradients and buffer updates equal eager PyTorch's within {tolerance:g} ({precision}; "
+            f"largest relative difference {largest:.2g})",
+        )
+    found = [f"the loss differs by {loss:.3g} (relative)"]
+    if comparison.worst is not None:
+        found.append(f"the largest gradient difference is at {comparison.worst} ({comparison.max_error:.3g} relative)")
+    if not comparison.same_names:
+        found.append(comparison.describe())
+    raise CaptureMismatch(
+        f"the captured training step differs from eager PyTorch's on the example batch "
+        f"(tolerance {tolerance:g} in {precision}): {'; '.join(found)}. "
+        f"Suspected: {_suspect(graph, model, batch, step, comparison)}. Nothing was planned; "
+        "optimize(..., verify=False) plans it anyway (at your own risk)"
+    )
+
+
+def verify_step(
+    graph: Graph, transient_bytes: int, model: torch.nn.Module, batch: Any, step: UserStep, seed: int = 0
+) -> Verification:
+    """:func:`verify_capture` on the example batch, or, where the device's free memory would
+    not hold a step of ``transient_bytes`` (the captured step's peak beyond its resident
+    tensors) twice over (eager's, then the graph's beside eager's gradients), on its first
+    samples, as many as fit: that slice's step is captured and checked."""
+    free = free_device_bytes(model)
+    rows = _rows(batch)
+    if free is None or rows is None or 2 * transient_bytes <= free:
+        return verify_capture(graph, model, batch, step, seed)
+    fit = min(rows - 1, rows * free // (2 * transient_bytes))
+    if fit < 1:
+        return Verification(False, "not checked: even one sample's eager step would not fit in the free device memory")
+    part = slice_batch(as_batch(batch), 0, fit)
+    sliced = capture(model, part, step.loss_fn, training_step=step.training_step)
+    checked = verify_capture(sliced, model, part, step, seed)
+    return Verification(True, f"on the first {fit} of {rows} samples (the whole step would not fit): {checked.note}")
+
+
+def free_device_bytes(model: torch.nn.Module) -> int | None:
+    """The free memory of the CUDA device the model lives on; None off CUDA (host memory is not checked)."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(param.device)[0])
+
+
+def _rows(batch: Any) -> int | None:
+    """The batch's size: the first dimension of its first tensor that has dimensions."""
+    tensors = [x for x in pytree.tree_leaves(as_batch(batch)) if isinstance(x, torch.Tensor) and x.dim()]
+    return int(tensors[0].shape[0]) if tensors else None
+
+
+def _suspect(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, comparison: GradientComparison) -> str:
+    drawn = eager_random_draws(model, batch, step)
+    in_graph = sum(n.random for n in graph.nodes)
+    if in_graph < drawn:
+        return (
+            f"the model draws random numbers (dropout) that the captured graph lacks: eager draws {_times(drawn)}, "
+            f"the graph {_times(in_graph)} (a random op hidden from tracing, e.g. behind "
+            "torch.compiler.is_compiling(), or dropped by a decomposition)"
+        )
+    if in_graph > drawn:
+        return f"the captured graph draws random numbers {_times(in_graph)}, eager {_times(drawn)}"
+    if comparison.worst is not None and comparison.worst.startswith("buffer "):
+        return (
+            f"a buffer is updated otherwise than eager does ({comparison.worst}): the train/eval mode of a "
+            "normalization, or a buffer the forward changes in a way the graph does not record"
+        )
+    return (
+        "the forward depends on something the graph cannot hold: Python state that changes from call to "
+        "call (a counter, a cache), a branch on a tensor's value, or an op computed at another precision"
+    )
+
+
+def eager_random_draws(model: torch.nn.Module, batch: Any, step: UserStep) -> int:
+    """How many random ops one eager step runs (the model left as it was)."""
+    counter = _RandomDraws()
+    with _model_kept(model), forked_rng(model), counter:
+        eager_step(model, batch, step.loss_fn, training_step=step.training_step)
+    return counter.draws
+
+
+def _times(n: int) -> str:
+    return {0: "never", 1: "once"}.get(n, f"{n} times")
+
+
+class _RandomDraws(TorchDispatchMode):
+    """Counts the ops that read torch's generator (the predicate the capture marks ``random`` with)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.draws += draws_random_numbers(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _model_kept(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's buffers (yielded: a copy) and ``.grad`` as they were, put back after the block."""
+    grads = {p: p.grad for p in model.parameters()}
+    before = buffers_snapshot(model)
+    try:
+        yield before
+    finally:
+        restore_buffers(model, before)
+        for p, grad in grads.items():
+            p.grad = grad
+
+
+class _Unmeasured:
+    """A meter that measures nothing (a check needs no peaks)."""
+
+    peak_bytes = 0
+
+    def __enter__(self) -> _Unmeasured:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def forked_rng(model: torch.nn.Module) -> Iterator[None]:
+    """The generators of the CPU and of the model's CUDA devices, restored afterwards."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield

@@ -1,0 +1,237 @@
+"""Timing operators on this machine (MAGIS §5: the simulator's per-op profile).
+
+On a CPU an operator is timed *in its step* (:func:`measure_in_step`): the runtime
+runs the whole graph on random inputs of the recorded shapes and times each
+instruction where it stands, with the caches full of its neighbours' data and
+paying for the values it frees. Timed alone, the same operator runs 10-20% faster
+(convolutions, their backward, batch norm) and a ``getitem`` three times faster, so
+a sum of isolated times underestimates a CPU step by 15-30%. On CUDA, and for any
+operator a step cannot run, each operator is timed alone (:func:`measure_nodes`), in
+turns with its neighbours. :class:`magis.cost.latency.ProfiledCostModel` keeps the
+times (:mod:`magis.cost.timing_cache`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from magis.backend.runtime import bind_arguments, execute, lower
+from magis.cost.op_keys import NodeStrides, Strides, contiguous_strides
+from magis.ir.graph import Graph, Ref, TensorMeta, map_refs
+
+#: on CUDA, each timing sample is a burst of calls lasting about this long.
+CUDA_SAMPLE_S = 1e-3
+#: operators are timed in turns, in windows of at most this many operators whose
+#: inputs take at most this many bytes.
+WINDOW_OPS = 32
+WINDOW_BYTES = 512 * 2**20
+#: a step timed in place runs at least this long (and at least the runs asked for), so that
+#: a neighbour slowing the core for a few milliseconds spoils only some of its runs
+IN_STEP_MIN_SECONDS = 0.25
+#: an instruction timed in its step that takes more than this many times its median
+#: was interrupted (another process took the core): the sample is dropped.
+OUTLIER_FACTOR = 3.0
+
+log = logging.getLogger(__name__)
+
+
+def random_tensor(meta: TensorMeta, strides: Strides | None, device: torch.device) -> torch.Tensor:
+    """A tensor of ``meta``'s shape and dtype laid out with ``strides``.
+
+    Floating point values are uniform in [0, 1) (no NaN from log/sqrt/rsqrt), integer
+    tensors are zeros so they are valid indices, bool tensors are random.
+    """
+    strides = strides if strides is not None else contiguous_strides(meta.shape)
+    span = 1 + sum((s - 1) * st for s, st in zip(meta.shape, strides)) if all(meta.shape) else 0
+    if meta.dtype.is_floating_point:
+        base = torch.rand(span, device=device).to(meta.dtype)
+    elif meta.dtype == torch.bool:
+        base = torch.randint(0, 2, (span,), device=device, dtype=torch.bool)
+    else:
+        base = torch.zeros(span, dtype=meta.dtype, device=device)
+    return base.as_strided(meta.shape, strides)
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def time_calls(fns: Sequence[Callable[[], Any]], device: torch.device, repeats: int) -> list[float]:
+    """Fastest seconds per call of each of ``fns`` (already warmed up), over ``repeats`` rounds.
+
+    Each round times every function once, in turn, so between two calls of one
+    operator all the others run: as in a training step, an operator finds the caches
+    full of other operators' code and data. (Timed back to back, small CPU operators
+    run several times faster than they do inside a step.) On CPU a sample is one
+    call and the fastest sample is kept: another process can only slow a call down
+    (with two threads on a shared machine, by tens of milliseconds), so the minimum
+    is the figure that repeats, and a noisy moment does not poison the cache. On CUDA a
+    sample is a burst of back-to-back calls lasting about a millisecond between two
+    synchronisations, divided by its length: the throughput of a busy stream, where
+    launch overhead and kernel time overlap as they do in a real step.
+    """
+    sync = synchronizer(device)
+    bursts = [1] * len(fns)
+    if device.type == "cuda":
+        for i, fn in enumerate(fns):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            bursts[i] = max(1, min(1000, int(CUDA_SAMPLE_S / max(time.perf_counter() - start, 1e-9))))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, calls, times in zip(fns, bursts, samples):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            times.append((time.perf_counter() - start) / calls)
+    return [min(times) for times in samples]
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Fastest seconds per call of ``fn`` alone, after a warm-up call (see :func:`time_calls`)."""
+    fn()
+    return time_calls([fn], device, repeats)[0]
+
+
+def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], device: torch.device) -> Callable:
+    """Node ``name`` on random inputs of its recorded shapes on ``device``, called once (warm-up).
+
+    The call resolves its :class:`Ref` arguments as the runtime's interpreter does
+    (:func:`magis.ir.graph.map_refs` over the arguments), so the time includes that
+    per-instruction cost, whose price depends on the operator's arguments.
+    """
+    node = graph[name]
+    inputs: dict[str, Any] = {}
+    for ref in node.inputs:
+        source = graph[ref]
+        elements = [
+            None if meta is None else random_tensor(meta, stride, device)
+            for meta, stride in zip(source.outputs, strides[ref])
+        ]
+        inputs[ref] = tuple(elements) if source.tuple_output else elements[0]
+    args, kwargs = bind_arguments(node, Ref, device)  # constants bound now, references at each call
+
+    def value(ref: Ref) -> Any:
+        return inputs[ref.name]
+
+    def call() -> Any:
+        return node.target(*map_refs(args, value), **map_refs(kwargs, value))
+
+    call()
+    synchronizer(device)()
+    return call
+
+
+def _windows(graph: Graph, names: Sequence[str]) -> Iterator[list[str]]:
+    """``names`` in runs of at most :data:`WINDOW_OPS` nodes whose inputs take at most
+    :data:`WINDOW_BYTES` (a larger node gets a window of its own)."""
+    window: list[str] = []
+    size = 0
+    for name in names:
+        need = sum(m.nbytes for ref in graph[name].inputs for m in graph[ref].outputs if m is not None)
+        if window and (len(window) == WINDOW_OPS or size + need > WINDOW_BYTES):
+            yield window
+            window, size = [], 0
+        window.append(name)
+        size += need
+    if window:
+        yield window
+
+
+def measure_nodes(
+    graph: Graph, names: Sequence[str], strides: Mapping[str, NodeStrides], device: torch.device, repeats: int
+) -> Iterator[tuple[str, float | None]]:
+    """Seconds one run of each node of ``names`` takes on ``device``; ``None`` when it cannot run.
+
+    Nodes run on random inputs of their recorded shapes, without autograd as in the
+    runtime, timed in turns (:func:`time_calls`) in windows of a few dozen nodes;
+    results are yielded as each window completes. The random number generators are
+    left as they were: timing dropout must not shift the user's RNG stream.
+    """
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for window in _windows(graph, names):
+            calls: dict[str, Callable] = {}
+            for name in window:
+                try:
+                    calls[name] = _prepared_call(graph, name, strides, device)
+                except Exception as err:  # any op that cannot run here is priced analytically
+                    log.warning("could not time %s (%s): using the analytic estimate", graph[name].op_name, err)
+            times = dict(zip(calls, time_calls(list(calls.values()), device, repeats)))
+            del calls
+            for name in window:
+                yield name, times.get(name)
+
+
+def measure_in_step(
+    graph: Graph,
+    strides: Mapping[str, NodeStrides],
+    device: torch.device,
+    runs: int,
+    on_run: Callable[[], Any] | None = None,
+) -> dict[str, float]:
+    """Seconds of each instruction of ``graph`` timed where it stands in its step.
+
+    The runtime (:func:`magis.backend.runtime.execute`) runs the graph in its node
+    order on random inputs of the recorded shapes and strides (:func:`random_tensor`),
+    once to warm up, then at least ``runs`` times and for at least
+    :data:`IN_STEP_MIN_SECONDS`; each instruction's time covers mapping its arguments,
+    the call and freeing the values that died. Only the middle half of the runs by
+    their total time count, as a median step time would: on a shared machine a
+    neighbour can slow the core down for tens of milliseconds, and the fastest runs
+    are the lucky ones. Each instruction gets :func:`_typical_seconds` of its samples
+    in those runs. Raises what the step raises when it cannot run. The random number
+    generators are left as they were. ``on_run`` is called after each run (a progress bar).
+    """
+    program = lower(graph)
+    timed: list[list[float]] = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        inputs = {
+            node.name: None if meta is None else random_tensor(meta, strides[node.name][0], device)
+            for node in graph.nodes
+            if node.is_input
+            for meta in node.outputs[:1]
+        }
+        execute(program, dict(inputs))  # warm-up
+        plain: list[float] = []
+        started = time.perf_counter()
+        while len(timed) < runs or time.perf_counter() - started < IN_STEP_MIN_SECONDS:
+            seconds: list[float] = []
+            execute(program, dict(inputs), seconds)
+            timed.append(seconds)
+            start = time.perf_counter()
+            execute(program, dict(inputs))
+            plain.append(time.perf_counter() - start)
+            if on_run is not None:
+                on_run()
+    by_total = sorted(timed, key=sum)
+    kept = by_total[len(by_total) // 4 : len(by_total) - len(by_total) // 4]  # the middle half
+    typical = [_typical_seconds([run[i] for run in kept]) for i in range(len(program.instructions))]
+    # What the loop spends between the timed instructions, less what timing them costs,
+    # shared among the instructions: the instructions then add up to a plain run.
+    between = (statistics.median(plain) - sum(typical)) / max(1, len(typical))
+    return {ins.node: max(0.0, t + between) for ins, t in zip(program.instructions, typical)}
+
+
+def _typical_seconds(samples: Sequence[float]) -> float:
+    """The mean of ``samples`` without those above :data:`OUTLIER_FACTOR` x their median.
+
+    The mean, not the median: an instruction's time is skewed to the right (a cache
+    miss, a page of the allocator), and a step's time is the sum of its instructions,
+    whose typical value is the sum of their means; a sum of medians comes out 2-5%
+    short. The outliers dropped are the moments another process held the core.
+    """
+    median = statistics.median(samples)
+    kept = [t for t in samples if t <= OUTLIER_FACTOR * median]
+    return sum(kept) / len(kept)

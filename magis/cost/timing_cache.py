@@ -1,0 +1,77 @@
+"""Operator times kept on disk, per machine (MAGIS §5: the simulator's per-op profile).
+
+A profiled cost model (:class:`magis.cost.latency.ProfiledCostModel`) measures each
+distinct operator application once on the local device and keeps its time in a JSON
+file, so a later run (or another process on the same machine) measures nothing. This
+module is that file: where it lives and how it is read and written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from magis.cost.local_device import device_tag
+
+CACHE_FORMAT = 3
+CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
+
+
+def default_cache_path(device: torch.device) -> Path:
+    """``$MAGIS_CACHE_DIR`` (default ``~/.cache/magis``) ``/latency-<device>-<torch>-<host hash>.json``."""
+    base = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "magis")
+    host = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+    return base / f"latency-{device_tag(device)}-{torch.__version__}-{host}.json"
+
+
+class LatencyCache:
+    """Seconds per op key timed alone (``ops``; ``None``: the op could not run) and
+    timed in its step (``in_step``, :func:`magis.cost.op_keys.in_step_key`), the device's crude roofline
+    and the runtime's own costs (:class:`magis.cost.runtime_costs.RuntimeCosts` as a dict, ``None`` until measured).
+
+    Saving merges with what other processes wrote meanwhile and replaces the file
+    atomically, so concurrent runs never corrupt it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ops, self.in_step, self.device_profile, self.runtime_costs = self._read()
+
+    def _read(
+        self,
+    ) -> tuple[dict[str, float | None], dict[str, float], dict[str, Any] | None, dict[str, float] | None]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}, {}, None, None
+        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+            return {}, {}, None, None
+        ops, in_step = dict(data.get("ops", {})), dict(data.get("in_step", {}))
+        return ops, in_step, data.get("device_profile"), data.get("runtime_costs")
+
+    def save(self) -> None:
+        ops, in_step, profile, runtime = self._read()
+        ops.update(self.ops)
+        in_step.update(self.in_step)
+        self.ops, self.in_step = ops, in_step
+        self.device_profile = self.device_profile or profile
+        self.runtime_costs = self.runtime_costs or runtime
+        data = {
+            "format": CACHE_FORMAT,
+            "torch": torch.__version__,
+            "device_profile": self.device_profile,
+            "runtime_costs": self.runtime_costs,
+            "ops": ops,
+            "in_step": in_step,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
+            json.dump(data, tmp, indent=0, sort_keys=True)
+        os.replace(tmp.name, self.path)

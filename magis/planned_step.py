@@ -1,0 +1,162 @@
+"""``magis.planned``: a training step planned once per input signature, as torch.compile recompiles.
+
+A DataLoader's last batch is often smaller, and a collator that pads to the longest
+sequence of each batch yields another shape almost every time; a :class:`~magis.plan.Plan`
+is made for one shape. ``step = magis.planned(model, ...)`` is a training step that, on
+each batch, finds the plan made for that batch's signature (the structure, shapes,
+dtypes and devices of its tensors, the train/eval mode of every submodule, which
+parameters are trainable, the autocast state) and runs it; a signature seen for the
+first time is planned by :func:`magis.optimize` with the same limits and search
+options. A byte limit applies to every shape; a fraction is of each shape's own peak.
+
+Plans are written to ``cache_dir`` (:mod:`magis.plan_file`) under a hash of what
+determines them: the captured step (every operator, shape and parameter name, so a
+change of the model, its forward or the loss is another plan), the signature, the
+limits and search options, and the magis and torch versions. A process that meets
+the same signature again, a restarted run, reads the plan instead of searching (it
+captures the step, which takes far less). At most ``max_plans`` plans stay in memory,
+the least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from magis.api import optimize
+from magis.backend.verify import forked_rng
+from magis.cost.timing_cache import default_cache_path
+from magis.frontend.capture import capture
+from magis.frontend.conditions import Conditions
+from magis.frontend.step import LossFn, TrainingStep, UserStep, as_batch, user_model
+from magis.ir.graph import Graph
+from magis.plan import Plan, load_plan
+from magis.plan_file import versions
+
+#: plans kept in memory by default
+DEFAULT_MAX_PLANS = 8
+#: options of :func:`magis.optimize` that do not change the plan it finds
+_NOT_IN_KEY = frozenset({"progress"})
+
+
+def planned(
+    model: torch.nn.Module,
+    loss_fn: LossFn | None = None,
+    *,
+    training_step: TrainingStep | None = None,
+    memory_limit: int | str | float | None = None,
+    latency_limit: float | None = None,
+    cache_dir: str | Path | None = None,
+    max_plans: int = DEFAULT_MAX_PLANS,
+    **search_options: Any,
+) -> PlannedStep:
+    """A training step ``step(*batch) -> loss`` (``step(batch)`` for a mapping) that plans each
+    new input signature with :func:`magis.optimize` and reuses the plan after (module docstring).
+
+    ``loss_fn``, ``training_step``, the limits and ``search_options`` (``time_budget``,
+    ``max_states``, ``device``, ``seed``, ``progress``...) are :func:`magis.optimize`'s.
+    ``cache_dir`` defaults to ``plans/`` in magis' cache directory (``$MAGIS_CACHE_DIR``,
+    else ``~/.cache/magis``).
+    """
+    step = UserStep(loss_fn, training_step)  # both given: a ValueError
+    if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+        raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
+    options = dict(search_options, memory_limit=memory_limit, latency_limit=latency_limit)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_path(torch.device("cpu")).parent / "plans"
+    return PlannedStep(user_model(model), step, options, root, max_plans)
+
+
+class PlannedStep:
+    """What :func:`planned` returns. ``searches`` counts the searches run (plans made by
+    :func:`magis.optimize`), ``loaded`` the plans read from ``cache_dir``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        step: UserStep,
+        options: dict[str, Any],
+        cache_dir: Path,
+        max_plans: int,
+    ) -> None:
+        self.model, self.step, self.options = model, step, options
+        self.cache_dir, self.max_plans = cache_dir, max_plans
+        self.plans: OrderedDict[tuple, Plan] = OrderedDict()  # by signature, least recently used first
+        self.searches = 0
+        self.loaded = 0
+
+    def __call__(self, *batch: Any) -> torch.Tensor:
+        """One training step on ``batch``: the loss, gradients accumulated into ``.grad``."""
+        args = _batch(batch)
+        plan = self._plan_of(args)
+        return plan(args) if isinstance(args, Mapping) else plan(*args)
+
+    def plan_for(self, *batch: Any) -> Plan:
+        """The plan that runs ``batch`` (given as to the step), made or read on first sight."""
+        return self._plan_of(_batch(batch))
+
+    def _plan_of(self, args: tuple | Mapping) -> Plan:
+        key = signature(self.model, args)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self._made_or_read(args, key)
+            self.plans[key] = plan
+            if len(self.plans) > self.max_plans:
+                self.plans.popitem(last=False)
+        self.plans.move_to_end(key)
+        return plan
+
+    def _made_or_read(self, batch: tuple | Mapping, key: tuple) -> Plan:
+        """The plan of a signature not in memory: read from ``cache_dir``, else searched and written there."""
+        step = {"loss_fn": self.step.loss_fn, "training_step": self.step.training_step}
+        with forked_rng(self.model):  # the caller's random stream stays eager's
+            graph = capture(self.model, batch, **step)
+        path = self.cache_dir / f"{file_key(graph, key, self.options)}.plan"
+        if path.exists():
+            try:
+                plan = load_plan(path, self.model)
+            except ValueError as err:
+                warnings.warn(f"magis: planning again, {err}", stacklevel=3)
+            else:
+                self.loaded += 1
+                return plan
+        plan = optimize(self.model, batch, **step, **self.options)
+        self.searches += 1
+        try:
+            plan.save(path)
+        except (OSError, ValueError) as err:  # the step still runs; only the next process searches again
+            warnings.warn(f"magis: could not keep the plan in {path}: {err}", stacklevel=3)
+        return plan
+
+
+def _batch(batch: tuple) -> tuple | Mapping:
+    """A mapping given alone is the batch (keyword arguments); anything else the positional arguments."""
+    return batch[0] if len(batch) == 1 and isinstance(batch[0], Mapping) else batch
+
+
+def signature(model: torch.nn.Module, batch: tuple | Mapping) -> tuple:
+    """What a plan is made for beyond the model's code: the batch's structure and its tensors'
+    shapes, dtypes and devices (other values as they are), every submodule's mode and the
+    autocast state (:class:`~magis.frontend.conditions.Conditions`), which parameters are trainable."""
+    leaves, tree = pytree.tree_flatten(as_batch(batch))
+    described = tuple(
+        (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
+        for x in leaves
+    )
+    return (tree, described, Conditions.of(model), tuple(p.requires_grad for p in model.parameters()))
+
+
+def file_key(graph: Graph, signature: tuple, options: dict[str, Any]) -> str:
+    """The name of a plan's file: a hash of the captured step (names included: two parameters
+    that swap places make another step), its signature, the options that shape the plan and the versions."""
+    nodes = [(n.name, repr(n.target), n.args, n.kwargs, n.outputs, n.role.value, n.random) for n in graph.nodes]
+    step = (nodes, graph.outputs, graph.signature, graph.order_edges)
+    chosen = sorted((k, repr(v)) for k, v in options.items() if k not in _NOT_IN_KEY)
+    text = repr((step, signature, chosen, sorted(versions().items())))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -1,0 +1,285 @@
+"""The first level of MAGIS Algorithm 3 (lines 10-11): the states the search starts from.
+
+The step made separable along its samples gets its F-Tree (Algorithm 1); the first
+level holds each F-Tree root at every fission number, the points of a recompute greedy
+(each with its roots fissioned too) and every other F-Tree node at its smallest fission
+number (the Mutate rule raises it later, reaching what :mod:`magis.search.single_fission`
+enumerates), so a feasible plan comes early however large the graph. Its states keep the
+order carried over from their parent (a region runs where its nodes ran): a feasible plan
+comes fast, and their children are rescheduled.
+
+The recompute greedy (the *dive*) walks the separable step's peak/latency front
+(:func:`magis.search.rule_front.recompute_front`); where swapping is registered, the swap
+greedy walks on from points of that front (:func:`magis.search.rule_front.swap_front`).
+Algorithm 3 reaches such plans too, one rewrite at a time, but each of its expansions
+simulates every candidate of every rule.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from magis.analysis.ftree import next_divisor, update_ftree
+from magis.cost.host_link import host_bytes_per_second
+from magis.cost.memory import simulate_memory
+from magis.ir.graph import Graph
+from magis.search.ledger import Ledger
+from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
+from magis.search.single_fission import fission_numbers, separable_step
+from magis.search.state import MState, Mutation, Step, changed_nodes, fission_changes
+
+#: share of the time budget the recompute greedy of the first level may spend
+DIVE_SHARE = 0.4
+#: points of that greedy's front made states (each then fissioned along its roots)
+DIVE_STATES = 6
+#: points of the recompute dive the swap greedy walks on from (:meth:`FirstLevel._swap_dive`)
+SWAP_STARTS = 3
+
+#: states of the separable step with one F-Tree root enabled, by the root's label and ``n``
+Roots = dict[tuple[str, int], MState]
+
+
+@dataclass
+class FirstLevel:
+    """The first level of one search: the states it makes go to ``ledger`` (considered and queued)."""
+
+    ledger: Ledger
+    rules: frozenset[str]  # names of the M-Rules taking part
+    levels: int  # F-Tree levels (Algorithm 1)
+    #: states made of the dive's points before the first level reaches them (a swap
+    #: start's plan within the memory limit: :meth:`_swap_dive`), by the point's id
+    early: dict[int, MState] = field(default_factory=dict)
+
+    def run(self, graph: Graph, initial: MState) -> None:
+        """The separable step with its F-Tree and its roots fissioned (:meth:`_fissions`),
+        the points of the recompute and swap greedies (:meth:`_dive`), best first, each
+        with its roots fissioned where the limit points (:meth:`_dive_fissions`), then
+        every other F-Tree node of the separable step at its smallest ``n``, then the
+        points' roots at every other ``n``: the likeliest plans first, so that a feasible
+        one comes soonest."""
+        ledger = self.ledger
+        step = separable_step(graph, initial.order, self.levels)
+        root = Mutation(
+            step.graph, step.order, step.tree, step.graph, step.order, (Step("separable", "make separable"),)
+        )
+        separable = ledger.evaluate(initial, root, reschedule=False)
+        if separable is None:  # nothing to rewrite: the captured step is separable as it is
+            separable = replace(initial, tree=step.tree)
+        ledger.consider(separable, push=True)
+        roots = self._fissions(separable, roots=True)
+        points = self._dive(separable)
+        dived = []
+        for point in sorted(points, key=lambda p: self._with_fission(p, separable, roots)[1]):
+            if ledger.out_of_budget():
+                return
+            state = self.early.pop(id(point), None) or self._dive_state(separable, point)
+            if state is not None:
+                self._dive_fissions(state, separable, roots)
+                dived.append(state)
+        self.early.clear()  # those the spread along the front left out stay states, unfissioned
+        self._fissions(separable, roots=False)
+        for state in dived:  # where time is left (small graphs): every n the estimate passed over
+            self._fissions(state, roots=True)
+
+    # ------------------------------------------------------------------ fission
+    def _fissions(self, parent: MState, roots: bool) -> Roots:
+        """States of ``parent`` with one F-Tree node enabled: each root at every ``n``
+        (``roots``), or each other node at its smallest ``n`` (the Mutate rule raises it
+        later). A root spans the most of the step (the whole step along its samples is
+        gradient accumulation), so the plans that trade parts for memory are there at
+        once, not after many Mutate steps. The order carried over is kept. Returns the
+        states made, by the node's label and ``n``."""
+        tree = parent.tree
+        if roots:
+            chosen = [
+                (i, n) for i, c in enumerate(tree.candidates) if c.parent is None for n in fission_numbers(c.length)
+            ]
+        else:
+            chosen = [(i, next_divisor(c.length, 1)) for i, c in enumerate(tree.candidates) if c.parent is not None]
+        made = {}
+        for i, parts in chosen:
+            if self.ledger.out_of_budget():
+                break
+            child = self._enabled(parent, i, parts)
+            if child is not None:
+                made[(tree.candidates[i].label, parts)] = child
+        return made
+
+    def _enabled(self, parent: MState, i: int, parts: int) -> MState | None:
+        """``parent`` with F-Tree node ``i`` enabled at ``parts``, in the order carried over
+        and considered (None where it does not apply or was seen)."""
+        ledger, tree = self.ledger, parent.tree
+        enabled = tree.with_parts({i: parts})
+        step = Step("enable", fission_changes(tree, enabled))
+        mutation = ledger.applied(parent.base, parent.base_order, enabled, step)
+        child = ledger.evaluate(parent, mutation, reschedule=False) if mutation is not None else None
+        if child is not None:
+            ledger.consider(child, push=True)
+        return child
+
+    def _dive_fissions(self, state: MState, separable: MState, roots: Roots) -> None:
+        """Each root of a point of the recompute greedy fissioned at the ``n`` where the
+        limit lies. Fission and recomputation add their time and save their memory
+        nearly independently: the separable step's root fissions (``roots``) tell, with
+        what the greedy added and saved, which ``n`` just meets the limit (latency mode:
+        the largest within it; memory mode: the smallest within it). From that guess the
+        search walks ``n`` up or down until whether the limit is met changes: two or three
+        states per root instead of one per fission number, on graphs where each costs seconds."""
+        objective = self.ledger.objective
+        likely, _ = self._with_fission(state, separable, roots)
+        for i, candidate in enumerate(state.tree.candidates):
+            if candidate.parent is not None:
+                continue
+            numbers = fission_numbers(candidate.length)
+            guess = likely.get(candidate.label)
+            k = numbers.index(guess) if guess in numbers else 0
+            direction = 0
+            while 0 <= k < len(numbers) and not self.ledger.out_of_budget():
+                child = self._enabled(state, i, numbers[k])
+                if child is None:
+                    break
+                # a state within the limit: in latency mode more parts may save more; in
+                # memory mode fewer parts may cost less time (and the other way round)
+                within = objective.met_by(child)
+                step = 1 if within == (objective.mode == "latency") else -1
+                if direction and step != direction:
+                    break
+                direction, k = step, k + step
+
+    def _with_fission(
+        self, point: FrontPoint | MState, separable: MState, roots: Roots
+    ) -> tuple[dict[str, int], tuple]:
+        """The fission number of each root where the limit lies for a plan that recomputes
+        what ``point`` does (see :meth:`_dive_fissions`), and the objective's rank of that
+        plan, estimated: fission and recomputation add their time nearly independently,
+        and recomputation saves ``1/n`` of its bytes in each of ``n`` parts. The estimate
+        is read off the separable step's fissions of each root (``roots``)."""
+        objective = self.ledger.objective
+        added = point.latency_s - separable.latency_s
+        saved = separable.peak_bytes - point.peak_bytes
+        numbers: dict[str, list[int]] = {}
+        for label, n in roots:
+            numbers.setdefault(label, []).append(n)
+        parts: dict[str, int] = {}
+        ranks = [objective.rank(point.peak_bytes, point.latency_s)]  # no fission at all
+        for label, ns in numbers.items():
+            estimates = {n: (roots[(label, n)].peak_bytes - saved / n, roots[(label, n)].latency_s + added) for n in ns}
+            if objective.mode == "latency":
+                assert objective.latency_s is not None
+                within = [n for n, (_, latency) in estimates.items() if latency <= objective.latency_s]
+                parts[label] = max(within, default=min(ns))
+            else:
+                assert objective.memory_bytes is not None
+                within = [n for n, (peak, _) in estimates.items() if peak <= objective.memory_bytes]
+                parts[label] = min(within, default=max(ns))
+            ranks.append(objective.rank(*estimates[parts[label]]))
+        return parts, min(ranks)
+
+    # ------------------------------------------------------------------ the greedies' dives
+    def _dive(self, separable: MState) -> list[FrontPoint]:
+        """The greedy of the recompute rule walks from the separable step down its
+        peak/latency front (:func:`magis.search.rule_front.recompute_front`), never past
+        the latency limit, no further down than the memory limit; where swapping is
+        registered (a device with memory of its own), the greedy of the swap rule walks on
+        from points of that front (:meth:`_swap_dive`), and in memory mode the recompute
+        greedy stops where the best it can do frees memory more slowly than the host link
+        moves it (what it leaves, a swap may move, and the limit is met sooner). Both share
+        :data:`DIVE_SHARE` of the budget. Of each dive, up to :data:`DIVE_STATES` points
+        spread along its front and the one the objective ranks best are returned, to be
+        made states (:meth:`_dive_state`) and fissioned."""
+        ledger, objective = self.ledger, self.ledger.objective
+        swapping, memory_mode = "swap" in self.rules, objective.mode == "memory"
+        rate_floor = host_bytes_per_second(ledger.cost_model) if swapping and memory_mode else None
+        deadline = min(time.perf_counter() + DIVE_SHARE * ledger.time_budget, ledger.deadline)
+        start = FrontPoint(
+            separable.peak_bytes, separable.latency_s, separable.base, separable.base_order, peak_steps=0
+        )
+        recomputed: list[FrontPoint] = []
+        if "remat" in self.rules and deadline > time.perf_counter():
+            front = recompute_front(
+                separable.base,
+                ledger.cost_model,
+                separable.base_order,
+                time_budget=deadline - time.perf_counter(),
+                latency_limit_s=objective.latency_s,
+                peak_limit_bytes=objective.memory_bytes,
+                at_limits=memory_mode,  # a latency limit's points get fissioned
+                min_saving_rate=rate_floor,
+            )
+            recomputed = [p for p in front.points if p.graph is not separable.base]  # the start is no dive
+        fits = memory_mode and any(objective.met_by(p) for p in recomputed)
+        if not swapping or fits:  # in memory mode: nothing left to swap for
+            return self._spread(recomputed)
+        if rate_floor is None:  # spread along the front: which start is best depends on the limit
+            starts = [recomputed[k] for k in sorted(_evenly_spaced(len(recomputed), SWAP_STARTS))] or [start]
+        else:  # each point freed memory faster than a swap would: the most recomputed ones
+            starts = recomputed[-SWAP_STARTS:] or [start]
+        swapped = self._swap_dive(separable, starts, deadline)
+        return [*self._spread(recomputed), *self._spread(list(pareto(swapped)))]
+
+    def _swap_dive(self, separable: MState, starts: list[FrontPoint], deadline: float) -> list[FrontPoint]:
+        """The swap greedy (:func:`~magis.search.rule_front.swap_front`) from each of
+        ``starts``, the most recomputed first, each given an equal share of the time left
+        and stopping at the limits: swapping moves tensors recomputation cannot reach (a
+        convolution's output before a batch norm), and which start is best depends on
+        the limit. The first start's plan within a memory limit is made a state at once
+        (:attr:`early`): a feasible plan as soon as there is one, not after every start.
+        On ResNet-50 at paper size (h200) under 0.4 of eager's peak that plan comes two
+        swaps after the recompute front's lowest point; the later starts give faster ones."""
+        ledger, objective = self.ledger, self.ledger.objective
+        points: list[FrontPoint] = []
+        starts = sorted(starts, key=lambda p: p.peak_bytes)
+        for k, start in enumerate(starts):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            front = swap_front(
+                start.graph,
+                ledger.cost_model,
+                start.order,
+                time_budget=left / (len(starts) - k),
+                latency_limit_s=objective.latency_s,
+                peak_limit_bytes=objective.memory_bytes,
+            )
+            walked = [
+                replace(p, recomputed=start.recomputed, merged=start.merged)
+                for p in front.points
+                if p.graph is not start.graph
+            ]
+            within = [p for p in walked if objective.met_by(p)]
+            if within and not objective.met_by(ledger.best):
+                first = min(within, key=lambda p: objective.rank(p.peak_bytes, p.latency_s))
+                state = self._dive_state(separable, first)
+                if state is not None:
+                    self.early[id(first)] = state
+            points += walked
+        return points
+
+    def _spread(self, points: list[FrontPoint]) -> list[FrontPoint]:
+        """Up to :data:`DIVE_STATES` points spread along a front, and the best by the objective."""
+        if not points:
+            return []
+        rank = self.ledger.objective.rank
+        best = min(range(len(points)), key=lambda k: rank(points[k].peak_bytes, points[k].latency_s))
+        return [points[k] for k in sorted(_evenly_spaced(len(points), DIVE_STATES) | {best})]
+
+    def _dive_state(self, separable: MState, point: FrontPoint) -> MState | None:
+        """A point of a greedy (:meth:`_dive`) as a state, its F-Tree re-analysed (``Analyze``)
+        so that fission can be laid over it."""
+        profile = simulate_memory(point.graph, point.order)
+        touched = changed_nodes(separable.base, point.graph)
+        tree = update_ftree(separable.tree, point.graph, profile, touched, self.levels)
+        steps = (Step("de-remat", f"merge {len(point.merged)} duplicate operator(s) (greedy)"),) if point.merged else ()
+        steps += tuple(Step("remat", f"recompute {target} (greedy)") for target in point.recomputed)
+        steps += tuple(Step("swap", f"swap {target} (greedy)") for target in point.swapped)
+        mutation = Mutation(point.graph, point.order, tree, point.graph, point.order, steps, scheduled=True)
+        state = self.ledger.evaluate(separable, mutation)
+        if state is not None:
+            self.ledger.consider(state, push=True)
+        return state
+
+
+def _evenly_spaced(length: int, count: int) -> set[int]:
+    """Up to ``count`` evenly spaced indices into a sequence of ``length``, the first and last included."""
+    return {round(k * (length - 1) / max(count - 1, 1)) for k in range(count)} if length else set()

@@ -1,0 +1,75 @@
+"""``compile``: ``torch.compile``'s min-cut partitioner under
+``torch._functorch.config.activation_memory_budget`` (``compile@0.5``).
+
+It runs for real compiled, and is simulated as the partitioner's forward and backward graphs
+(:mod:`yardstick.peers.partitioned_capture`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+
+import torch
+
+from magis.backend.runtime import StepResult
+from magis.frontend.capture import LossFn
+from magis.ir.graph import Graph
+from yardstick.methods.method_registry import PEER, Method, Runnable, Simulated, register
+from yardstick.methods.steps import eager_runnable, traced
+from yardstick.methods.subject import Subject
+from yardstick.peers.partitioned_capture import GraphRecorder, capture_partitioned, compile_backend, memory_budget
+
+#: dynamo's recompile limit while a compiled peer runs: room for each budget at each micro-batch count
+MAX_COMPILED_VARIANTS = 64
+
+
+def compile_real(subject: Subject, budget: float | None) -> Runnable:
+    assert budget is not None
+    recorder = GraphRecorder()
+    compiled = torch.compile(subject.built.model, backend=compile_backend(recorder))
+    inner = eager_runnable(subject.built, subject, compiled)
+
+    def step(scope: AbstractContextManager) -> StepResult:
+        recorder.scope, calls = scope, recorder.calls
+        try:
+            with memory_budget(budget), _room_for_every_variant():
+                result = inner.step(contextlib.nullcontext())
+        finally:
+            recorder.scope = None
+        if recorder.calls == calls:
+            raise RuntimeError("torch.compile ran the step eagerly: no compiled graph was called")
+        grads = {name.removeprefix("_orig_mod."): g for name, g in result.gradients.items()}
+        return StepResult(result.loss, grads, {})
+
+    return Runnable(step, subject.built, inner.gradient_note)
+
+
+def _room_for_every_variant() -> AbstractContextManager:
+    """Dynamo's recompile limit raised for one compiled step: every ``compile@B`` variant of a
+    comparison (and of each micro-batch count) compiles the same ``forward`` code object with
+    its own backend, and past the limit (8 by default) dynamo runs the step eagerly."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    return config.patch(**{name: MAX_COMPILED_VARIANTS})
+
+
+def compile_simulate(subject: Subject, budget: float | None) -> Simulated:
+    assert budget is not None
+
+    def trace(model: torch.nn.Module, inputs: tuple, loss_fn: LossFn) -> Graph:
+        return capture_partitioned(model, inputs, loss_fn, budget)
+
+    return traced(subject, subject.built, trace, compiled=True)
+
+
+register(
+    Method(
+        "compile",
+        "torch.compile's min-cut partitioner under activation_memory_budget",
+        PEER,
+        compile_real,
+        compile_simulate,
+        budgeted=True,
+    )
+)
