@@ -72,17 +72,17 @@ class _Sums:
     loss: str = ""
     buffers: dict[str, str] = field(default_factory=dict)  # buffer input node -> its latest value
 
-    def add_gradient(self, param: str, gradient: Node, i: int) -> list[Node]:
+    def add_gradient(self, param: str, gradient: str, outputs: tuple, i: int) -> list[Node]:
         """Copy ``i``'s ``gradient`` of ``param`` into ``.grad``: the first copy's is ``.grad``, a later
         one is added into it in place (``AccumulateGrad``); the node that adds, if any."""
         if i == 0:
-            self.gradients[param] = gradient.name
+            self.gradients[param] = gradient
             return []
         add = Node(
             f"mb{i}/grad/{param}",
             aten.add_.Tensor,
-            (Ref(self.gradients[param]), Ref(gradient.name)),
-            outputs=gradient.outputs,
+            (Ref(self.gradients[param]), Ref(gradient)),
+            outputs=outputs,
             aliases=((0, 0),),
             role=Role.GRADIENT,
         )
@@ -160,9 +160,14 @@ def _copy(micro: Graph, order: Sequence[str], i: int, sums: _Sums, together: boo
         if node.is_input:
             continue
         copy = replace(node, name=f"mb{i}/{name}", args=map_refs(node.args, ren), kwargs=map_refs(node.kwargs, ren))
+        if name in params and i > 0 and node.target is aten.clone.default:
+            # the copy into the parameter's layout (capture's gradients_laid_out_as_parameters) is
+            # the first micro-batch's alone: eager adds a later one into .grad as it is
+            (pending if together else nodes).extend(sums.add_gradient(params[name], copy.args[0].name, node.outputs, i))
+            continue
         nodes.append(copy)
         if name in params:
-            (pending if together else nodes).extend(sums.add_gradient(params[name], copy, i))
+            (pending if together else nodes).extend(sums.add_gradient(params[name], copy.name, copy.outputs, i))
         if name == sig.loss:
             nodes += sums.add_loss(copy, i)
     return nodes + pending
