@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +29,20 @@ def write_json(path: str | Path, payload: Any) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     return out
+
+
+def workloads_and_presets(
+    models: str, presets: str, workloads: Collection[str], known_presets: Collection[str]
+) -> tuple[list[str], list[str]] | None:
+    """A driver's comma-separated ``--models`` and ``--presets`` as lists, or None after saying
+    on stderr which one is not among ``workloads`` / ``known_presets`` (the driver exits with 2)."""
+    chosen = [m for m in models.split(",") if m], [p for p in presets.split(",") if p]
+    unknown = [m for m in chosen[0] if m not in workloads] + [p for p in chosen[1] if p not in known_presets]
+    if unknown:
+        print(
+            f"unknown workload or preset {unknown[0]!r}: workloads {', '.join(workloads)}; "
+            f"presets {', '.join(known_presets)}",
+            file=sys.stderr,
+        )
+        return None
+    return chosen

@@ -48,6 +48,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from driver import workloads_and_presets
+
 from magis.console import format_table, log
 from magis.models import WORKLOADS
 from yardstick.compare import Comparison, Row, best_within, compare
@@ -167,12 +169,10 @@ def _point(row: Row | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    models, presets = args.models.split(","), args.presets.split(",")
-    unknown = [m for m in models if m not in WORKLOADS] + [p for p in presets if p not in PRESETS]
-    if unknown:
-        print(f"unknown workload or preset {unknown[0]!r}: workloads {', '.join(WORKLOADS)}; presets "
-              f"{', '.join(PRESETS)}", file=sys.stderr)  # fmt: skip
+    chosen = workloads_and_presets(args.models, args.presets, WORKLOADS, PRESETS)
+    if chosen is None:
         return 2
+    models, presets = chosen
     args.out.mkdir(parents=True, exist_ok=True)
     table = []
     for workload in models:

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from driver import workloads_and_presets
+
 from magis.console import format_table, log
 from magis.models import WORKLOADS
 from yardstick.compare import Comparison, Row, best_within, compare
@@ -46,7 +48,7 @@ from yardstick.protocol import Rounds
 #: the presets run, and how each is figured
 PRESETS = {"small": "small (measured)", "paper": "paper (simulated)"}
 #: the default methods: the peers (magis' own can be added with --methods)
-PEERS = [name for name, method in METHODS.items() if method.kind == PEER]
+PEERS = [name for name, method in METHODS.items() if method.kind == PEER and not method.full_step]
 #: timed rounds per measured comparison: seven workloads at 5-10 s a step on one core
 REPEATS = 5
 #: latency overheads over eager under which the summary takes the lowest peak
@@ -124,16 +126,10 @@ def _solves(comparison: Comparison) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    models = [m for m in args.models.split(",") if m]
-    presets = [p for p in args.presets.split(",") if p]
-    unknown = [m for m in models if m not in WORKLOADS] + [p for p in presets if p not in PRESETS]
-    if unknown:
-        print(
-            f"unknown workload or preset {unknown[0]!r}: workloads {', '.join(WORKLOADS)}; presets "
-            f"{', '.join(PRESETS)}",
-            file=sys.stderr,
-        )
+    chosen = workloads_and_presets(args.models, args.presets, WORKLOADS, PRESETS)
+    if chosen is None:
         return 2
+    models, presets = chosen
     args.out.mkdir(parents=True, exist_ok=True)
     for workload in models:
         for preset in presets:

@@ -11,6 +11,7 @@ step that differs from eager PyTorch's is refused with :class:`CaptureMismatch`;
 
 from magis.api import ProfileReport, optimize, profile
 from magis.backend.verify import CaptureMismatch
+from magis.fits import FitReport, fits
 from magis.frontend.capture import CaptureError, capture
 from magis.ir import Graph
 from magis.plan import InfeasibleLimit, Plan, PlanReport, load_plan
@@ -19,12 +20,14 @@ from magis.planned_step import planned
 __all__ = [
     "CaptureError",
     "CaptureMismatch",
+    "FitReport",
     "Graph",
     "InfeasibleLimit",
     "Plan",
     "PlanReport",
     "ProfileReport",
     "capture",
+    "fits",
     "load_plan",
     "optimize",
     "planned",

@@ -24,6 +24,7 @@ from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.frontend.capture import capture, capture_timed
 from magis.frontend.conditions import Conditions, warn_if_evaluating
 from magis.frontend.grad_seed import with_grad_seed
+from magis.frontend.optimizer import unplanned_reason, with_optimizer
 from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, user_model
 from magis.ir.graph import Graph
 from magis.plan import InfeasibleLimit, Plan
@@ -168,6 +169,8 @@ def optimize(
     max_states: int = DEFAULT_MAX_STATES,
     verify: bool = True,
     progress: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_grad_norm: float | None = None,
 ) -> Plan:
     """Capture the training step and search for the plan MAGIS Algorithm 3 finds best.
 
@@ -201,10 +204,20 @@ def optimize(
     was; ``progress`` shows a bar with the best peak and latency so far and the states
     explored (``progress=False``: nothing is printed). A limit no plan meets raises
     :class:`~magis.plan.InfeasibleLimit`, whose ``best`` is the best plan found.
+
+    ``optimizer`` (the whole step, :mod:`magis.frontend.optimizer`): ``plan(*batch)`` also
+    updates the parameters, as ``loss.backward(); optimizer.step()`` with ``.grad`` None before
+    and after. SGD, Adam and AdamW are planned inside the step (their states counted, each
+    update placed by the search, early where that frees memory); any other optimizer is
+    stepped after the plan with the gradients kept (``plan.report()`` says which).
+    ``max_grad_norm`` clips the gradients first, as ``torch.nn.utils.clip_grad_norm_``: every
+    gradient is then held until the last is final (the report says how many bytes that holds).
+    The limits are of the whole step: a fraction is of eager's step with its update.
     """
     model = user_model(model)
     step = UserStep(loss_fn, training_step)  # bad input fails before the capture
     spec = BatchSpec.of(batch)
+    _check_optimizer(model, optimizer, max_grad_norm)
     if latency_limit is not None and (isinstance(latency_limit, bool) or not latency_limit >= 1.0):
         raise ValueError(f"latency_limit is a ratio to the captured step's latency, at least 1; got {latency_limit!r}")
     if not time_budget > 0:
@@ -220,6 +233,9 @@ def optimize(
         torch.manual_seed(seed)
         captured = capture(model, batch, loss_fn, training_step=training_step)
         graph, grad_seed = with_grad_seed(captured, torch.device("cpu") if fake else next(model.parameters()).device)
+        verification = _verification(graph, model, batch, step, seed, verify)
+        if optimizer is not None and unplanned_reason(optimizer) is None:
+            graph = with_optimizer(graph, optimizer, model, max_grad_norm, on_cuda=device != "cpu")
         order = [n.name for n in graph.nodes]
         memory = simulate_memory(graph, order)
         latency = estimate_latency(graph, order, latency_model).total_s
@@ -228,9 +244,8 @@ def optimize(
         if objective.memory_bytes is not None and objective.memory_bytes < floor:
             raise InfeasibleLimit(
                 f"memory limit {_mib(objective.memory_bytes)} is below the floor of this step, "
-                f"{_mib(floor)} (weights + gradients + inputs)"
+                f"{_mib(floor)} (weights, buffers, inputs, optimizer states, gradients returned)"
             )
-        verification = _verification(graph, memory, model, batch, step, seed, verify)
         result = m_optimize(graph, objective, latency_model, time_budget, max_states, progress=progress)
     best = result.best
     plan = Plan(
@@ -251,6 +266,8 @@ def optimize(
         grad_seed=grad_seed,
         verification=verification,
         planning_only=fake,
+        optimizer=optimizer,
+        max_grad_norm=max_grad_norm,
     )
     if not objective.met_by(best):  # the near miss goes with the error
         raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)
@@ -258,18 +275,36 @@ def optimize(
 
 
 def _verification(
-    graph: Graph, memory: MemoryProfile, model: torch.nn.Module, batch: Any, step: UserStep, seed: int, verify: bool
+    graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int, verify: bool
 ) -> Verification:
     """The captured step checked against eager (:func:`~magis.backend.verify.verify_step`), or why not."""
     if is_fake(model):
         return Verification(False, "not checked: the model is on fake or meta tensors (nothing can run)")
     if not verify:
         return Verification(False, "not checked: optimize(..., verify=False)")
+    memory = simulate_memory(graph, [n.name for n in graph.nodes])
     return verify_step(graph, memory.peak - memory.persistent_bytes, model, batch, step, seed)
 
 
+def _check_optimizer(model: torch.nn.Module, optimizer: Any, max_grad_norm: float | None) -> None:
+    """An optimizer of ``model``'s parameters and a positive ``max_grad_norm`` that goes with one."""
+    if max_grad_norm is not None:
+        if optimizer is None:
+            raise ValueError("max_grad_norm clips the gradients before the optimizer's update: pass optimizer= too")
+        if isinstance(max_grad_norm, bool) or not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    ours = {id(p) for p in model.parameters()}
+    if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("the optimizer holds parameters that are not the model's: pass the model it trains")
+
+
 def floor_bytes(graph: Graph, memory: MemoryProfile) -> int:
-    """What every plan holds at its end: weights, buffers, inputs and the gradients."""
+    """What every plan holds at its end: weights, buffers, inputs, optimizer states and the
+    gradients it returns (none of those an optimizer in the plan consumes)."""
     storages = {key for node in graph.signature.gradients.values() for key in graph.storages[node] if key}
     return memory.persistent_bytes + sum(graph.storage_bytes[key] for key in storages)
 
@@ -317,7 +352,7 @@ def _infeasible(objective: Objective, peak: int, latency: float, baseline_latenc
     if objective.memory_bytes is not None and peak > objective.memory_bytes:
         parts.append(
             f"memory limit {_mib(objective.memory_bytes)} not met: the lowest peak found is {_mib(peak)} "
-            f"(floor: {_mib(floor)}, weights + gradients + inputs)"
+            f"(floor: {_mib(floor)}: weights, buffers, inputs, optimizer states, gradients returned)"
         )
     if objective.latency_s is not None and latency > objective.latency_s:
         parts.append(

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fission": ("magis.commands.fission", "list the F-Tree's fission candidates of a workload"),
     "remat": ("magis.commands.remat", "the peak/latency front of recompute-only (or swap-only) plans, by a greedy"),
     "optimize": ("magis.commands.optimize", "search for the plan that fits a memory or latency limit (MAGIS Alg. 3)"),
+    "fits": ("magis.commands.fits", "the largest batch (or sequence) magis and eager PyTorch fit on a device"),
     "bench": ("yardstick.command", "compare magis with its peers on a workload"),
 }
 

@@ -37,6 +37,7 @@ from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.conditions import Conditions, autocast_off
 from magis.frontend.grad_seed import seeded
+from magis.frontend.optimizer import GradientNorm, ParameterUpdate, unplanned_reason
 from magis.frontend.step import BatchSpec, user_model
 from magis.ir.graph import Graph
 from magis.plan_file import read_plan_file, write_plan_file
@@ -68,6 +69,8 @@ class PlanReport:
     search: dict[str, Any]
     verified: bool
     verification: str
+    #: the optimizer's part of the step (:func:`optimizer_summary`); None without ``optimizer=``
+    optimizer: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +109,8 @@ class Plan:
     grad_seed: torch.Tensor | None = field(repr=False)  # the backward's seed (magis.frontend.grad_seed)
     verification: Verification  # the captured step against eager, or why it was not checked
     planning_only: bool = False  # the model is on fake or meta tensors
+    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)  # the user's, stepped by each call
+    max_grad_norm: float | None = None  # clipping before the update
 
     @cached_property
     def program(self) -> Program:
@@ -120,8 +125,13 @@ class Plan:
             )
         inputs = self.batch.tensors(self.batch.given(batch))
         self.conditions.check(self.model)
+        if self.optimizer is not None:
+            _check_whole_step(self.model, grad_scale)
+        in_plan = self.optimizer if self.graph.signature.optimizer else None
         with seeded(self.grad_seed, grad_scale), autocast_off():
-            result = run_program(self.program, self.model, inputs)
+            result = run_program(self.program, self.model, inputs, optimizer=in_plan)
+        if in_plan is not None:
+            in_plan._opt_called = True  # what optimizer.step() sets: an LR scheduler checks it was stepped
         params = dict(self.model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, gradient in result.gradients.items():
@@ -130,6 +140,13 @@ class Plan:
                     param.grad = gradient if _owns_storage(gradient, param) else gradient.clone()
                 else:
                     param.grad.add_(gradient)
+        if self.optimizer is not None and in_plan is None:  # not planned: stepped here, as eager does
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.grad is not None], self.max_grad_norm
+                )
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return result.loss
 
     def save(self, path: str | Path) -> Path:
@@ -170,6 +187,7 @@ class Plan:
             },
             verified=self.verification.verified,
             verification=self.verification.note,
+            optimizer=None if self.optimizer is None else optimizer_summary(self.graph, self.order, self.optimizer),
         )
 
     def plot(self, path: str | Path) -> Path:
@@ -202,18 +220,61 @@ class Plan:
 
 
 #: what a plan file holds: every field but the model (the caller's) and the cost model (made anew)
-_SAVED_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in ("model", "cost_model"))
+_SAVED_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in ("model", "cost_model", "optimizer"))
 
 
-def load_plan(path: str | Path, model: torch.nn.Module) -> Plan:
+def load_plan(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Plan:
     """The plan :meth:`Plan.save` wrote to ``path``, run on ``model``, which must have the
     parameters and buffers it was made for (names, shapes, dtypes, which are trainable) under
-    the same magis and torch: otherwise a ``ValueError`` names the first difference."""
+    the same magis and torch: otherwise a ``ValueError`` names the first difference. A plan
+    made with ``optimizer=`` needs an optimizer of the same kind and param groups."""
     model = user_model(model)
     saved = read_plan_file(path, model)
     if set(saved) != set(_SAVED_FIELDS):
         raise ValueError(f"{path} holds a plan of another layout ({sorted(set(saved) ^ set(_SAVED_FIELDS))})")
-    return Plan(model=model, cost_model=cost_model(saved["device"], estimate_unseen=True), **saved)
+    if saved["graph"].signature.optimizer and optimizer is None:
+        raise ValueError(f"{path} holds a plan that updates the parameters: load_plan(path, model, optimizer)")
+    return Plan(model=model, cost_model=cost_model(saved["device"], estimate_unseen=True), optimizer=optimizer, **saved)
+
+
+def optimizer_summary(graph: Graph, order: tuple[str, ...], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a plan does with the optimizer: whether its update is inside the step (else why not),
+    how many parameters are updated before the backward ends (the last gradient is made), and
+    what clipping holds: the gradient bytes live when the norm is taken."""
+    reason = unplanned_reason(optimizer)
+    summary: dict[str, Any] = {"name": type(optimizer).__name__, "in_plan": bool(graph.signature.optimizer)}
+    if not graph.signature.optimizer:
+        summary["note"] = reason or "stepped after the plan"
+        return summary
+    pos = {name: i for i, name in enumerate(order)}
+    updates = [n for n in graph.nodes if isinstance(n.target, ParameterUpdate)]
+    gradients = {g for n in updates for g in n.target.gradients(n)}
+    backward_ends = max(pos[g] for g in gradients)
+    summary["parameters"] = sum(len(n.target.params) for n in updates)
+    summary["updated_before_backward_ends"] = sum(len(n.target.params) for n in updates if pos[n.name] < backward_ends)
+    summary["note"] = "updated inside the step, each update placed by the search"
+    norm = next((n for n in graph.nodes if isinstance(n.target, GradientNorm)), None)
+    if norm is not None:
+        held = {k for g in norm.inputs for k in graph.storages[g] if k}
+        summary["clipping_holds_bytes"] = sum(graph.storage_bytes[k] for k in held)
+        summary["note"] += "; clipping holds every gradient until the norm is known"
+    return summary
+
+
+def _check_whole_step(model: torch.nn.Module, grad_scale: Any) -> None:
+    """A plan that steps the optimizer starts from no gradients and takes no loss scale."""
+    if grad_scale is not None:
+        raise ValueError(
+            "grad_scale goes with a GradScaler, which steps the optimizer itself: optimize without "
+            "optimizer= and call scaler.step(optimizer) after the plan"
+        )
+    held = next((name for name, p in model.named_parameters() if p.grad is not None), None)
+    if held is not None:
+        raise ValueError(
+            f"{held}.grad holds a gradient: a plan made with optimizer= computes the gradients and "
+            "applies them itself; call optimizer.zero_grad() before it (or optimize without optimizer= "
+            "to accumulate into .grad)"
+        )
 
 
 def _owns_storage(gradient: torch.Tensor, param: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@ from magis.backend.verify import forked_rng
 from magis.cost.timing_cache import default_cache_path
 from magis.frontend.capture import capture
 from magis.frontend.conditions import Conditions
+from magis.frontend.optimizer import update_structure
 from magis.frontend.step import LossFn, TrainingStep, UserStep, as_batch, user_model
 from magis.ir.graph import Graph
 from magis.plan import Plan, load_plan
@@ -53,6 +54,8 @@ def planned(
     training_step: TrainingStep | None = None,
     memory_limit: int | str | float | None = None,
     latency_limit: float | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_grad_norm: float | None = None,
     cache_dir: str | Path | None = None,
     max_plans: int = DEFAULT_MAX_PLANS,
     **search_options: Any,
@@ -60,17 +63,20 @@ def planned(
     """A training step ``step(*batch) -> loss`` (``step(batch)`` for a mapping) that plans each
     new input signature with :func:`magis.optimize` and reuses the plan after (module docstring).
 
-    ``loss_fn``, ``training_step``, the limits and ``search_options`` (``time_budget``,
-    ``max_states``, ``device``, ``seed``, ``progress``...) are :func:`magis.optimize`'s.
+    ``loss_fn``, ``training_step``, the limits, ``optimizer``, ``max_grad_norm`` and
+    ``search_options`` (``time_budget``, ``max_states``, ``device``, ``seed``, ``progress``...)
+    are :func:`magis.optimize`'s: with ``optimizer``, each call is the whole step, the update
+    included (a plan file is keyed by the optimizer's type and the options that shape its
+    update, not its learning rate, which a scheduler changes).
     ``cache_dir`` defaults to ``plans/`` in magis' cache directory (``$MAGIS_CACHE_DIR``,
     else ``~/.cache/magis``).
     """
     step = UserStep(loss_fn, training_step)  # both given: a ValueError
     if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
         raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
-    options = dict(search_options, memory_limit=memory_limit, latency_limit=latency_limit)
+    options = dict(search_options, memory_limit=memory_limit, latency_limit=latency_limit, max_grad_norm=max_grad_norm)
     root = Path(cache_dir) if cache_dir is not None else default_cache_path(torch.device("cpu")).parent / "plans"
-    return PlannedStep(user_model(model), step, options, root, max_plans)
+    return PlannedStep(user_model(model), step, options, root, max_plans, optimizer)
 
 
 class PlannedStep:
@@ -84,15 +90,17 @@ class PlannedStep:
         options: dict[str, Any],
         cache_dir: Path,
         max_plans: int,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        self.model, self.step, self.options = model, step, options
+        self.model, self.step, self.options, self.optimizer = model, step, options, optimizer
         self.cache_dir, self.max_plans = cache_dir, max_plans
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()  # by signature, least recently used first
         self.searches = 0
         self.loaded = 0
 
     def __call__(self, *batch: Any) -> torch.Tensor:
-        """One training step on ``batch``: the loss, gradients accumulated into ``.grad``."""
+        """One training step on ``batch``: the loss; gradients accumulated into ``.grad``, or with an
+        optimizer, the parameters updated."""
         args = _batch(batch)
         plan = self._plan_of(args)
         return plan(args) if isinstance(args, Mapping) else plan(*args)
@@ -117,16 +125,19 @@ class PlannedStep:
         step = {"loss_fn": self.step.loss_fn, "training_step": self.step.training_step}
         with forked_rng(self.model):  # the caller's random stream stays eager's
             graph = capture(self.model, batch, **step)
-        path = self.cache_dir / f"{file_key(graph, key, self.options)}.plan"
+        options = self.options
+        if self.optimizer is not None:
+            options = dict(options, optimizer=update_structure(self.optimizer))
+        path = self.cache_dir / f"{file_key(graph, key, options)}.plan"
         if path.exists():
             try:
-                plan = load_plan(path, self.model)
+                plan = load_plan(path, self.model, self.optimizer)
             except ValueError as err:
                 warnings.warn(f"magis: planning again, {err}", stacklevel=3)
             else:
                 self.loaded += 1
                 return plan
-        plan = optimize(self.model, batch, **step, **self.options)
+        plan = optimize(self.model, batch, **step, **self.options, optimizer=self.optimizer)
         self.searches += 1
         try:
             plan.save(path)

@@ -87,6 +87,15 @@ def test_optimize_json_has_the_documented_keys(capsys, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_optimize_plans_the_whole_step_with_an_optimizer(capsys):
+    argv = ["optimize", "gpt-neo-1.3b", "--preset", "tiny", "--latency-limit", "1.1", "--device", "h200"]
+    report = run_json(capsys, *argv, "--optimizer", "adamw", "--max-states", "20", "--time-budget", "20", "--json")
+    assert report["optimizer"]["name"] == "AdamW" and report["optimizer"]["in_plan"]
+    assert report["peak_bytes"] <= report["baseline_peak_bytes"]
+    assert main([*argv, "--optimizer", "adamw", "--run"]) == 2
+    assert "without --optimizer" in capsys.readouterr().err
+
+
 def test_optimize_rejects_two_limits_and_a_bad_size(capsys):
     with pytest.raises(SystemExit):
         main(["optimize", "unet", "--memory-limit", "0.5", "--latency-limit", "1.1"])

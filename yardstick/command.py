@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         default=None,
         help=f"comma-separated methods (default: all but the opt-in {', '.join(OPT_IN)}): {', '.join(METHODS)}; "
-        "eager always runs, as the reference",
+        "eager always runs, as the reference (eager+step when every method named is a full step, ...+step)",
     )
     parser.add_argument(
         "--budget",

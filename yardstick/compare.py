@@ -1,4 +1,5 @@
-"""Compare methods on one workload: peak memory and latency, each as a ratio to eager PyTorch.
+"""Compare methods on one workload: peak memory and latency, each as a ratio to eager PyTorch
+(to eager's full step, ``eager+step``, in a comparison of full steps: :mod:`yardstick.methods.full_step`).
 
 Measured (presets tiny and small): every method's step runs for real, through
 :mod:`yardstick.protocol` — one metered step each, gradients checked against
@@ -27,7 +28,6 @@ from yardstick.methods import (
     DEFAULT_BUDGETS,
     DEFAULT_DEVICE,
     PEER,
-    REFERENCE,
     MethodUnavailable,
     Subject,
     Variant,
@@ -154,7 +154,7 @@ def _simulate_all(
             graph, order = variant.simulate(subject)
             details = variant.details(subject)
         except MethodUnavailable as err:
-            _skip(comparison, variant, err, say)
+            _skip(comparison, variant, err, chosen[0], say)
             continue
         peak = simulate_memory(graph, order).peak
         latency = estimate_latency(graph, order, model).total_s
@@ -199,12 +199,13 @@ def _measure_all(
         try:
             runnable = variant.real(subject)
             details[variant] = variant.details(subject)
-            resident = resident_tensors(runnable.built.model, runnable.built.example_inputs)
+            resident = [*resident_tensors(runnable.built.model, runnable.built.example_inputs), *runnable.resident]
             peak, result = protocol.measure_peak(runnable.step, resident, seed)
         except MethodUnavailable as err:
-            _skip(comparison, variant, err, say)
+            _skip(comparison, variant, err, chosen[0], say)
             continue
-        gradients = {**result.gradients, "<loss>": result.loss}
+        used = result.gradients if runnable.used_gradients is None else runnable.used_gradients()
+        gradients = {**used, "<loss>": result.loss}
         reference = gradients if reference is None else reference
         versus_eager, notes[variant] = compare_gradients(reference, gradients), runnable.gradient_note
         errors[variant] = versus_eager.max_error
@@ -220,12 +221,13 @@ def _measure_all(
             f"(max rel. error {errors[variant]:.1g}), first step {time.perf_counter() - start:.1f} s"
         )
     del reference
+    name = chosen[0].name
     say(
-        f"timing {len(steps)} methods against {REFERENCE}: {rounds.warmup} warm-up + {rounds.repeats} rounds, "
+        f"timing {len(steps)} methods against {name}: {rounds.warmup} warm-up + {rounds.repeats} rounds, "
         f"up to {rounds.max_repeats} for ratios within {rounds.precision:.1%} standard error"
     )
-    timings = protocol.interleaved_timings({v.name: s for v, s in steps.items()}, REFERENCE, rounds, seed, say)
-    comparison.settings["clock"] = timings[REFERENCE].clock
+    timings = protocol.interleaved_timings({v.name: s for v, s in steps.items()}, name, rounds, seed, say)
+    comparison.settings["clock"] = timings[name].clock
     for variant in steps:
         timed = timings[variant.name]
         ratio, spread = timed.ratio, timed.ratio_spread
@@ -250,8 +252,8 @@ def _measure_all(
         )
 
 
-def _skip(comparison: Comparison, variant: Variant, err: Exception, say: Progress) -> None:
-    if variant.name == REFERENCE:
+def _skip(comparison: Comparison, variant: Variant, err: Exception, reference: Variant, say: Progress) -> None:
+    if variant is reference:
         raise err
     comparison.skipped[variant.name] = str(err)
     say(f"{variant.name}: skipped: {err}")

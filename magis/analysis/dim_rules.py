@@ -45,7 +45,7 @@ def op_dims(graph: Graph, name: str, source: OpDims | None = None) -> OpDims | N
     node = graph[name]
     meta = node.outputs[0] if node.outputs else None
     if node.is_input:
-        return input_dims(meta.shape)
+        return None if meta is None else input_dims(meta.shape)  # the optimizer's handle holds no tensor
     if node.target is operator.getitem:
         return None if source is None else getitem_dims(source, node.args[1], meta.shape)
     rule = rule_for(node.target)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from magis.backend.transfer import Load, Store, TransferStreams
+from magis.frontend.optimizer import bound_optimizer_inputs
 from magis.ir.graph import Graph, Node, Ref, is_view, map_refs
 
 
@@ -141,8 +142,11 @@ def module_tensors(model: torch.nn.Module, names: Sequence[tuple[str, str]]) -> 
     return found
 
 
-def bind(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) -> dict[str, Any]:
-    """The graph's input nodes bound to the module's tensors and the user inputs."""
+def bind(
+    graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any], optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """The graph's input nodes bound to the module's tensors, the user inputs and, for a graph
+    that holds the optimizer's update, ``optimizer`` and its states (:mod:`magis.frontend.optimizer`)."""
     sig = graph.signature
     wanted = [(node, name, "_parameters") for node, name in sig.parameters.items()]
     wanted += [(node, name, "_buffers") for node, name in sig.buffers.items()]
@@ -162,6 +166,7 @@ def bind(graph: Graph, model: torch.nn.Module, example_inputs: Sequence[Any]) ->
                 f"input {node} has shape {tuple(value.shape)}, the graph was captured with {meta.shape}"
             )
         env[node] = value.detach() if isinstance(value, torch.Tensor) else value
+    env.update(bound_optimizer_inputs(graph, model, optimizer))
     return env
 
 
@@ -246,11 +251,16 @@ def run_step(
 
 
 def run_program(
-    program: Program, model: torch.nn.Module, example_inputs: Sequence[Any], apply_buffer_updates: bool = True
+    program: Program,
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    apply_buffer_updates: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> StepResult:
-    """Run an already lowered program (see :func:`lower`)."""
+    """Run an already lowered program (see :func:`lower`); ``optimizer`` is the one whose
+    update the graph holds, if it holds one."""
     graph = program.graph
-    env = execute(program, bind(graph, model, example_inputs))
+    env = execute(program, bind(graph, model, example_inputs, optimizer))
     sig = graph.signature
     result = StepResult(
         loss=env[sig.loss],

@@ -5,7 +5,8 @@ latency whose simulated peak fits ``--memory-limit``, or the lowest peak within
 ``--latency-limit`` (:func:`magis.optimize`). ``--run`` runs the plan and eager
 PyTorch from the same seed and reports both measured peaks and the largest
 gradient difference; ``--plot`` draws the memory timelines of the captured step
-and the plan.
+and the plan. ``--optimizer adamw|adam|sgd`` plans the whole step, the update included
+(``optimize(..., optimizer=)``), the limits then of eager's full step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from magis.api import measure_against_eager, optimize
 from magis.commands.common import add_device_argument, add_workload_arguments, emit, load_workload, log
+from magis.fits import OPTIMIZERS
 from magis.search.m_optimizer import DEFAULT_MAX_STATES
 
 
@@ -49,6 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-states", type=int, default=DEFAULT_MAX_STATES, help=f"states searched (default: {DEFAULT_MAX_STATES})"
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="none",
+        help="plan the whole step with this optimizer's update (default hyperparameters; default: none, "
+        "forward and backward only)",
+    )
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=None, help="clip the gradients first (needs --optimizer)"
+    )
     parser.add_argument("--run", action="store_true", help="run the plan and eager PyTorch, measure both")
     parser.add_argument("--plot", metavar="F.png", default=None, help="write the memory timelines to this PNG")
 
@@ -56,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.run and args.preset == "paper":
         raise ValueError("--run needs real weights: the paper preset is traced on fake tensors; use tiny or small")
+    if args.run and args.optimizer != "none":
+        raise ValueError("--run compares the plan's gradients with eager's: plan without --optimizer to run it")
     built = load_workload(args.model, args.preset, args.batch)
+    optimizer_class = OPTIMIZERS[args.optimizer]
     log(f"optimizing {args.model} ({args.preset})")
     plan = optimize(
         built.model,
@@ -68,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         max_states=args.max_states,
         progress=not args.json,
+        optimizer=None if optimizer_class is None else optimizer_class(built.model.parameters()),
+        max_grad_norm=args.max_grad_norm,
     )
     details = plan.report()
     report: dict[str, Any] = {
@@ -85,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         "states": details.search["states"],
         "transformations": details.transformations,
         "verified": details.verified,
+        "optimizer": details.optimizer,
     }
     if args.run:
         log("running the plan and eager PyTorch")

@@ -46,8 +46,21 @@ Sources:
   ``k`` among several thread blocks and reduce their partial results (CUTLASS,
   "Efficient GEMM in CUDA", *Parallelized Reductions: Split K*).
 
-Memory sizes are the marketed GB read as GiB, which is what the devices report
-(an "80 GB" H100 shows 79.1 GiB to ``torch.cuda.get_device_properties``). Host links
+Memory sizes (:attr:`DeviceProfile.memory_bytes`) are what CUDA reports as the device's
+total (``torch.cuda.get_device_properties(i).total_memory``), a few hundred MiB below
+the marketed size that ``nvidia-smi`` prints:
+
+- H100 SXM5 80 GB: 85,017,493,504 bytes (79.2 GiB), read on an "NVIDIA H100 80GB HBM3"
+  with torch 2.11 / CUDA 13.0, driver 580 (2026-11; ``nvidia-smi``: 81,559 MiB);
+- H200 141 GB: 150,109,880,320 bytes (139.8 GiB), read on an "NVIDIA H200" likewise
+  (``nvidia-smi``: 143,771 MiB);
+- A100 SXM4 80 GB: not read here; ``nvidia-smi`` prints 81,920 MiB, and we take 480 MiB
+  less, the gap between ``nvidia-smi`` and CUDA on the H100 (an estimate);
+- GeForce RTX 3090 24 GB: 24,268 MiB, as ``torch.cuda.get_device_properties`` prints it
+  in transformers' documentation ("GPU selection", ``total_memory=24268MB``).
+
+Not all of it holds tensors: :data:`CUDA_RESERVED_BYTES` is the allowance for what a
+process holds besides them (:attr:`DeviceProfile.usable_memory_bytes`). Host links
 are one direction of a PCIe x16 slot (Gen5: 64 GB/s, Gen4: 32 GB/s); swapping moves
 data one way at a time.
 
@@ -81,6 +94,16 @@ import torch
 TERA = 1e12
 GIGA = 1e9
 GIB = 2**30
+MIB = 2**20
+
+#: device memory a training process cannot give to tensors: the CUDA context, the kernels of
+#: cuBLAS and cuDNN, cuBLAS' workspace (64 MiB, held in PyTorch's caching allocator). Measured
+#: on an H100 80GB and an H200 (torch 2.11, CUDA 13.0, 2026-11): after a matmul and a
+#: convolution forward and backward, 256 MiB and then 2 MiB tensors filled the device up to
+#: 851 MiB below its total on both. Rounded up to 1 GiB for other CUDA and library versions
+#: and the allocator's rounding of each block; the allocator's fragmentation beyond that
+#: is not modelled (the simulated peak counts tensor bytes exactly).
+CUDA_RESERVED_BYTES = GIB
 
 #: host-side cost of launching one kernel from eager PyTorch (see the module docstring).
 LAUNCH_OVERHEAD_S = 5e-6
@@ -163,7 +186,7 @@ class DeviceProfile:
     memory_bandwidth: float  # bytes/s, device memory
     launch_overhead_s: float  # host cost of launching one operator
     host_link_bandwidth: float  # bytes/s, one direction host <-> device (for swapping)
-    memory_bytes: int  # device memory capacity
+    memory_bytes: int  # device memory capacity, as CUDA reports it (module docstring)
     compute_efficiency: float = GEMM_EFFICIENCY
     bandwidth_efficiency: float = STREAM_EFFICIENCY
     host_link_efficiency: float = HOST_LINK_EFFICIENCY
@@ -182,6 +205,11 @@ class DeviceProfile:
         if precision == "fp32" and tensor_core_fp32:
             precision = "tf32"
         return self.compute_efficiency * self.peak_flops[precision]
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """The memory a training step's tensors can have: a GPU's total less :data:`CUDA_RESERVED_BYTES`."""
+        return self.memory_bytes - CUDA_RESERVED_BYTES if self.sm_count else self.memory_bytes
 
     @property
     def bytes_per_second(self) -> float:
@@ -219,7 +247,7 @@ def _gpu(
     )
 
 
-def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
+def _hopper(name: str, memory_bytes: int, bandwidth_tb_s: float) -> DeviceProfile:
     """H100 and H200 share the same SXM compute die; they differ in memory."""
     return _gpu(
         name,
@@ -232,15 +260,15 @@ def _hopper(name: str, memory_gib: int, bandwidth_tb_s: float) -> DeviceProfile:
         },
         memory_bandwidth=bandwidth_tb_s * TERA,
         host_link_bandwidth=64 * GIGA,
-        memory_bytes=memory_gib * GIB,
+        memory_bytes=memory_bytes,
         host_link="PCIe 5.0 x16",
     )
 
 
 #: the named devices a user can plan for (``magis profile --device NAME``).
 DEVICE_PROFILES: dict[str, DeviceProfile] = {
-    "h200": _hopper("h200", memory_gib=141, bandwidth_tb_s=4.8),
-    "h100": _hopper("h100", memory_gib=80, bandwidth_tb_s=3.35),
+    "h200": _hopper("h200", memory_bytes=150_109_880_320, bandwidth_tb_s=4.8),
+    "h100": _hopper("h100", memory_bytes=85_017_493_504, bandwidth_tb_s=3.35),
     "a100": _gpu(
         "a100",
         peak_flops={
@@ -252,7 +280,7 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
         },
         memory_bandwidth=2039 * GIGA,
         host_link_bandwidth=32 * GIGA,
-        memory_bytes=80 * GIB,
+        memory_bytes=(81_920 - 480) * MIB,
         host_link="PCIe 4.0 x16",
     ),
     "rtx3090": _gpu(
@@ -266,7 +294,7 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
         },
         memory_bandwidth=936 * GIGA,
         host_link_bandwidth=32 * GIGA,
-        memory_bytes=24 * GIB,
+        memory_bytes=24_268 * MIB,
         host_link="PCIe 4.0 x16",
     ),
 }

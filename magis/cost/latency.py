@@ -138,13 +138,23 @@ def _in_place(node: Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
-def _delegated_seconds(node: Node, model: CostModel) -> float | None:
+def _delegated_seconds(graph: Graph, node: Node, model: CostModel) -> float | None:
     """The time of a swap's transfer over the host link, or the cost a self-describing
     target (a fissioned region) reports, else ``None``."""
     if isinstance(node.target, (Store, Load)):
         return transfer_seconds(node.target.nbytes, model)
     estimate = getattr(node.target, "estimate_seconds", None)
-    return float(estimate(model)) if callable(estimate) else None
+    if callable(estimate):
+        return float(estimate(model))
+    kernels = getattr(node.target, "kernel_bytes", None)
+    return None if kernels is None else _streaming_seconds(kernels(graph, node), model)
+
+
+def _streaming_seconds(kernel_bytes: Sequence[int], model: CostModel) -> float:
+    """Seconds of bandwidth-bound kernels moving ``kernel_bytes`` each (an optimizer's update:
+    :class:`magis.frontend.optimizer.ParameterUpdate` says what its kernels move)."""
+    profile = getattr(model, "fallback", model).profile
+    return sum(kernel_seconds(profile, 0.0, stream_seconds(profile, n)) for n in kernel_bytes)
 
 
 def _shape_value(graph: Graph, name: str) -> Any:
@@ -262,7 +272,7 @@ class AnalyticCostModel:
 
     def node_seconds(self, graph: Graph, name: str) -> float:
         node = graph[name]
-        delegated = _delegated_seconds(node, self)
+        delegated = _delegated_seconds(graph, node, self)
         if delegated is not None:
             return delegated
         if is_free(node) or (is_view(node) and not _in_place(node)):
@@ -434,7 +444,7 @@ class ProfiledCostModel:
                 seconds[node.name] = binding_seconds(graph, runtime) / inputs
             elif node.name in estimates:
                 seconds[node.name] = estimates[node.name]
-            elif node.name in in_step and _delegated_seconds(node, self) is None:
+            elif node.name in in_step and _delegated_seconds(graph, node, self) is None:
                 seconds[node.name] = in_step[node.name]
             elif node.target is operator.getitem:
                 seconds[node.name] = runtime.getitem_s + runtime.instruction_s
@@ -444,7 +454,7 @@ class ProfiledCostModel:
 
     def _seconds(self, graph: Graph, node: Node, key: str | None) -> float:
         """An operator's (or a region's) own work timed alone, without the runtime's cost per instruction."""
-        delegated = _delegated_seconds(node, self)
+        delegated = _delegated_seconds(graph, node, self)
         if delegated is not None:
             return delegated
         measured = self.cache.ops.get(key) if key is not None else None

@@ -71,7 +71,7 @@ def replay_strides(graph: Graph) -> dict[str, NodeStrides]:
             if m is not None
         ):
             elements = [None if m is None else torch.empty(m.shape, dtype=m.dtype, device=meta) for m in node.outputs]
-        values[node.name] = tuple(elements) if node.tuple_output else elements[0]
+        values[node.name] = tuple(elements) if node.tuple_output or not elements else elements[0]
         strides[node.name] = tuple(None if v is None else tuple(v.stride()) for v in elements)
     return strides
 

@@ -197,11 +197,11 @@ def measure_in_step(
     program = lower(graph)
     timed: list[list[float]] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        inputs = {
+        inputs = {  # an input without a tensor (the optimizer's handle) is None: its updates use their own options
             node.name: None if meta is None else random_tensor(meta, strides[node.name][0], device)
             for node in graph.nodes
             if node.is_input
-            for meta in node.outputs[:1]
+            for meta in (node.outputs[:1] or (None,))
         }
         execute(program, dict(inputs))  # warm-up
         plain: list[float] = []

@@ -39,11 +39,13 @@ class Role(enum.Enum):
     BACKWARD = "backward"  # backward pass intermediates
     GRADIENT = "gradient"  # a parameter's gradient (a graph output)
     BUFFER_UPDATE = "buffer_update"  # new value of a mutated buffer (BatchNorm stats)
+    OPTIMIZER = "optimizer"  # the optimizer and its states (magis.frontend.optimizer)
+    UPDATE = "update"  # an optimizer's update of parameters, and gradient clipping
 
     @property
     def persistent(self) -> bool:
         """Resident for the whole step (MAGIS §2.1: parameters, inputs, buffers)."""
-        return self in (Role.PARAMETER, Role.BUFFER, Role.INPUT, Role.CONSTANT)
+        return self in (Role.PARAMETER, Role.BUFFER, Role.INPUT, Role.CONSTANT, Role.OPTIMIZER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,13 @@ class Node:
         return sum(m.nbytes for m, a in zip(self.outputs, self.aliases) if m is not None and a is None)
 
 
+def writes(node: Node) -> tuple[str, ...]:
+    """The inputs ``node`` writes in place (an optimizer's update writes its parameters and
+    states: :class:`magis.frontend.optimizer.ParameterUpdate`); ``()`` for a functional op."""
+    written = getattr(node.target, "writes", None)
+    return written(node) if callable(written) else ()
+
+
 def is_view(node: Node) -> bool:
     """Every output element shares storage with an input: no data moves."""
     return all(alias is not None for meta, alias in zip(node.outputs, node.aliases) if meta is not None)
@@ -198,6 +207,8 @@ class Signature:
     loss: str = ""  # node holding the scalar loss
     gradients: dict[str, str] = field(default_factory=dict)  # parameter name -> gradient node
     buffer_updates: dict[str, str] = field(default_factory=dict)  # buffer name -> new value node
+    optimizer: str = ""  # input node bound to the optimizer whose update the graph holds, if any
+    optimizer_states: dict[str, tuple[str, str]] = field(default_factory=dict)  # input node -> (parameter, key)
 
 
 class GraphError(ValueError):
@@ -248,12 +259,37 @@ class Graph:
 
     @cached_property
     def predecessors(self) -> dict[str, tuple[str, ...]]:
-        """Data and ordering predecessors of every node."""
+        """Data and ordering predecessors of every node: a node that writes a storage in place
+        (:func:`writes`, an optimizer's update) comes after every other reader of that storage."""
         preds = {n.name: list(n.inputs) for n in self.nodes}
-        for before, after in self.order_edges:
+        for before, after in (*self.order_edges, *self._write_after_read):
             if before not in preds[after]:
                 preds[after].append(before)
         return {k: tuple(v) for k, v in preds.items()}
+
+    @cached_property
+    def writers(self) -> dict[tuple[str, int], tuple[str, ...]]:
+        """The nodes that write each storage in place (:func:`writes`); most graphs have none."""
+        found: dict[tuple[str, int], list[str]] = {}
+        for n in self.nodes:
+            for name in writes(n):
+                for key in self.storages[name]:
+                    if key is not None:
+                        found.setdefault(key, []).append(n.name)
+        return {key: tuple(names) for key, names in found.items()}
+
+    @cached_property
+    def _write_after_read(self) -> tuple[tuple[str, str], ...]:
+        """(reader, writer) for every node reading, through any view, a storage another node writes."""
+        writers = self.writers
+        if not writers:
+            return ()
+        edges = []
+        for n in self.nodes:
+            for p in n.inputs:
+                for key in self.storages[p]:
+                    edges.extend((n.name, w) for w in writers.get(key, ()) if w != n.name)
+        return tuple(dict.fromkeys(edges))
 
     @cached_property
     def successors(self) -> dict[str, tuple[str, ...]]:
@@ -474,6 +510,9 @@ def topological_merge(kept: list[Node], added: list[Node], floors: Mapping[str, 
         last = max((priority[p][0] for p in n.inputs if p in priority), default=-1.0)
         last = max(last, float(floors.get(n.name, -1)))
         priority[n.name] = (last + 0.5, j)
+    for j, n in enumerate(nodes):  # a node that writes in place runs after every reader: last
+        if writes(n):
+            priority[n.name] = (float("inf"), j)
     indeg = {n.name: len(n.inputs) for n in nodes}
     users: dict[str, list[str]] = {n.name: [] for n in nodes}
     for n in nodes:

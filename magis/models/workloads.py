@@ -76,22 +76,78 @@ class Workload:
     presets: dict[str, dict]
     builder: Callable[[dict, int], Built] = field(repr=False, compare=False)
 
-    def build(self, preset: str = "tiny", batch: int | None = None, seed: int = 0) -> Built:
-        """Build the model (train mode) and example inputs of ``preset``, optionally at another batch size.
+    @property
+    def has_sequence(self) -> bool:
+        """Whether the model takes token sequences, so that :meth:`build` can change their length."""
+        return all("seq" in sizes for sizes in self.presets.values())
 
+    def build(self, preset: str = "tiny", batch: int | None = None, seed: int = 0, *, seq: int | None = None) -> Built:
+        """Build the model (train mode) and example inputs of ``preset``, optionally at another batch
+        size or (a model that takes token sequences: :attr:`has_sequence`) another sequence length.
+
+        A model built with ``seq`` is configured for sequences of exactly that length: its
+        ``max_positions`` (the learned position table of BERT and GPT-Neo, GPT-Neo's causal
+        masks) becomes ``seq``, so any length can be built, and the step's memory is a
+        polynomial in it (:func:`magis.fits` relies on that). For BERT the paper preset's
+        table is as long as its sequences already; GPT-Neo's 2048 positions shrink with it.
         Seeds torch with ``seed`` first, so two builds are identical. Works inside
         ``FakeTensorMode`` (fake weights and inputs, nothing allocated).
         """
-        if preset not in self.presets:
-            raise ValueError(f"unknown preset {preset!r} for {self.name}: choose one of {', '.join(self.presets)}")
-        sizes = self.presets[preset]
+        sizes = self._preset(preset)
         batch = sizes["batch"] if batch is None else batch
-        if not isinstance(batch, int) or batch <= 0:
-            raise ValueError(f"batch must be a positive integer, got {batch!r}")
+        _check_size("batch", batch)
+        if seq is not None:
+            if not self.has_sequence:
+                raise self._no_sequence()
+            _check_size("seq", seq)
+            sizes = {**sizes, "seq": seq, **({"max_positions": seq} if "max_positions" in sizes else {})}
         torch.manual_seed(seed)
         built = self.builder(sizes, batch)
         built.model.train()
         return built
+
+    def sized(self, dim: str, preset: str = "paper") -> SizedWorkload:
+        """``make(n)``: ``preset`` built at batch size ``n`` (``dim="batch"``) or sequence length ``n``
+        (``dim="sequence"``), on fake tensors, as ``(model, inputs)``: the form :func:`magis.fits` takes."""
+        if dim not in ("batch", "sequence"):
+            raise ValueError(f"dim must be 'batch' or 'sequence', got {dim!r}")
+        if dim == "sequence" and not self.has_sequence:
+            raise self._no_sequence()
+        self._preset(preset)  # an unknown preset fails here, not at the first size
+        return SizedWorkload(self.name, dim, preset)
+
+    def _no_sequence(self) -> ValueError:
+        return ValueError(
+            f"{self.name} takes no token sequences (its inputs are images): it has no sequence length; size it by batch"
+        )
+
+    def _preset(self, preset: str) -> dict:
+        if preset not in self.presets:
+            raise ValueError(f"unknown preset {preset!r} for {self.name}: choose one of {', '.join(self.presets)}")
+        return self.presets[preset]
+
+
+@dataclass(frozen=True)
+class SizedWorkload:
+    """A built-in workload at ``preset`` as a function of one size (:meth:`Workload.sized`); it
+    pickles by name, so another process can build it too."""
+
+    name: str
+    dim: str
+    preset: str
+
+    def __call__(self, n: int) -> tuple:
+        """The model and its inputs at size ``n``, on fake tensors: ``(model, inputs)``."""
+        workload = get_workload(self.name)
+        with fake_if(True):
+            built = workload.build(self.preset, batch=n) if self.dim == "batch" else workload.build(self.preset, seq=n)
+        assert built.loss_fn is None, "every workload's model returns its loss"
+        return built.model, built.example_inputs
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 class HFTask(nn.Module):

@@ -159,6 +159,16 @@ class _Recompute:
     segment: Segment = field(default_factory=Segment)
     taken: set[str] = field(default_factory=set)
 
+    def _check_not_overwritten(self, node: Node) -> None:
+        """A copy runs before ``until``: none of what it reads may be written in place before
+        then (a parameter its optimizer's update overwrites, :mod:`magis.frontend.optimizer`)."""
+        writers, pos = self.graph.writers, self.timeline.pos
+        for p in node.inputs:
+            for key in self.graph.storages[p]:
+                late = [w for w in writers.get(key, ()) if pos[w] < self.until]
+                if late:
+                    raise RematError(f"cannot recompute {node.name}: {late[0]} has overwritten {p} by then")
+
     def copy(self, name: str) -> str:
         """The copy of ``name`` (made on first request, its inputs first)."""
         if name in self.segment.copy_of:
@@ -167,6 +177,7 @@ class _Recompute:
         if reason is not None:
             raise RematError(f"cannot recompute {name}: {reason}")
         node = self.graph[name]
+        self._check_not_overwritten(node)
         if _is_dropout_output(self.graph, node):
             made = self._dropout_output(node)
         else:

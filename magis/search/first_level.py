@@ -24,6 +24,8 @@ from magis.analysis.ftree import next_divisor, update_ftree
 from magis.cost.host_link import host_bytes_per_second
 from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
+from magis.rules.early_update import early_updates
+from magis.rules.ftree_mutation import consistent
 from magis.search.ledger import Ledger
 from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
 from magis.search.single_fission import fission_numbers, separable_step
@@ -67,6 +69,8 @@ class FirstLevel:
         if separable is None:  # nothing to rewrite: the captured step is separable as it is
             separable = replace(initial, tree=step.tree)
         ledger.consider(separable, push=True)
+        if "early-update" in self.rules:
+            separable = self._early_updates(separable)
         roots = self._fissions(separable, roots=True)
         points = self._dive(separable)
         dived = []
@@ -81,6 +85,29 @@ class FirstLevel:
         self._fissions(separable, roots=False)
         for state in dived:  # where time is left (small graphs): every n the estimate passed over
             self._fissions(state, roots=True)
+
+    def _early_updates(self, separable: MState) -> MState:
+        """The separable step with its optimizer's updates split early (:mod:`magis.rules.early_update`)
+        as the base of the rest of the first level: where the activations make the peak, freeing
+        gradients early lowers nothing yet, but once fission or recomputation has cut the
+        activations the gradients held to the end of the backward are the peak. The base is the
+        candidate that splits the most parameters without a higher peak or a latency above the
+        limit; every candidate is a state of its own. Without an update to split, ``separable``."""
+        best, limit = separable, self.ledger.objective.latency_s
+        for rewrite in early_updates(separable.base, separable.base_order):
+            profile = simulate_memory(rewrite.graph, rewrite.order)
+            tree = update_ftree(separable.tree, rewrite.graph, profile, rewrite.touched, self.levels)
+            if not consistent(tree):
+                continue
+            step = (Step("early-update", rewrite.description),)
+            state = self.ledger.evaluate(
+                separable, Mutation(rewrite.graph, rewrite.order, tree, rewrite.graph, rewrite.order, step)
+            )
+            if state is not None:
+                self.ledger.consider(state, push=True)
+                if state.peak_bytes <= separable.peak_bytes and (limit is None or state.latency_s <= limit):
+                    best = state  # the rule lists its candidates by more parameters split
+        return best
 
     # ------------------------------------------------------------------ fission
     def _fissions(self, parent: MState, roots: bool) -> Roots:

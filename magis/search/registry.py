@@ -27,7 +27,7 @@ from typing import Literal
 
 from magis.analysis.ftree import FTree
 from magis.ir.graph import Graph
-from magis.rules import algebraic, compact, ftree_mutation, identity, remat, swap
+from magis.rules import algebraic, compact, early_update, ftree_mutation, identity, remat, swap
 from magis.rules.rewrite import Rewrite
 
 TreeRule = Callable[[FTree], list[FTree]]
@@ -101,6 +101,7 @@ register_graph_rule("de-remat", remat.de_remat, scheduled=True)
 register_graph_rule("compact", compact.compact, scheduled=True)
 register_graph_rule("swap", swap.swap, scheduled=True)
 register_graph_rule("de-swap", swap.de_swap, scheduled=True)
+register_graph_rule("early-update", early_update.early_updates, scheduled=True)
 
 #: rules that only pay off where device memory is not host memory (a GPU)
 DEVICE_ONLY_RULES = frozenset({"swap", "de-swap"})

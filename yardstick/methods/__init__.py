@@ -33,7 +33,10 @@ The package:
     rematerialization baselines planned on the captured step;
   - :mod:`~yardstick.methods.rockmate_peer` — ``rockmate``, opt-in and measured only (rockmate, CUDA);
   - :mod:`~yardstick.methods.magis_methods` — ``magis-captured``, ``magis-scheduled``,
-    ``magis-fission``, ``magis-optimize`` and ``magis-optimize-lat``.
+    ``magis-fission``, ``magis-optimize`` and ``magis-optimize-lat``;
+  - :mod:`~yardstick.methods.full_step` — the full steps, each with AdamW's update (opt-in):
+    ``eager+step`` (their reference), ``eager+step-in-backward``, ``accumulate+step``,
+    ``checkpoint-block+step``, ``compile+step`` and ``magis-optimize-lat+step``.
 
 Peers (what a practitioner reaches for today) have kind :data:`PEER`, magis' own methods :data:`MAGIS`.
 """
@@ -44,6 +47,7 @@ from yardstick.methods.method_registry import (
     ACCUMULATE,
     DEFAULT_BUDGETS,
     DEFAULT_DEVICE,
+    FULL_STEP_REFERENCE,
     LATENCY_LIMITS,
     MAGIS,
     METHODS,
@@ -62,7 +66,7 @@ from yardstick.methods.subject import Subject
 # Each family registers its methods when imported: this order is METHODS' order, the rows' order.
 # isort: off
 from yardstick.methods import eager_peer, checkpoint_peers, compile_peer, accumulate_peers
-from yardstick.methods import checkmate_dtr_peers, rockmate_peer, magis_methods
+from yardstick.methods import checkmate_dtr_peers, rockmate_peer, magis_methods, full_step
 
 # isort: on
 
@@ -70,6 +74,7 @@ __all__ = [
     "ACCUMULATE",
     "DEFAULT_BUDGETS",
     "DEFAULT_DEVICE",
+    "FULL_STEP_REFERENCE",
     "LATENCY_LIMITS",
     "MAGIS",
     "METHODS",
@@ -86,6 +91,7 @@ __all__ = [
     "checkpoint_peers",
     "compile_peer",
     "eager_peer",
+    "full_step",
     "magis_methods",
     "register",
     "rockmate_peer",

@@ -20,7 +20,8 @@ from yardstick.methods.subject import Subject
 from yardstick.peers.accumulation import gradient_differences
 
 
-def _details(subject: Subject, _budget: float | None) -> dict[str, Any]:
+def micro_batch_details(subject: Subject, _budget: float | None) -> dict[str, Any]:
+    """A micro-batched variant's row facts: the micro-batch count and size, and why its gradients differ, if they do."""
     note = gradient_differences(subject.graph, subject.inputs, subject.micro_batches)
     return {"micro_batches": subject.micro_batches, "micro_batch": subject.batch_size // subject.micro_batches} | (
         {"gradient_note": note} if note else {}
@@ -35,7 +36,7 @@ register(
         eager_real,
         eager_simulate,
         micro_batched=True,
-        details=_details,
+        details=micro_batch_details,
     )
 )
 register(
@@ -45,7 +46,7 @@ register(
         PEER,
         *CHECKPOINT_BLOCK,
         micro_batched=True,
-        details=_details,
+        details=micro_batch_details,
     )
 )
 register(
@@ -57,6 +58,6 @@ register(
         compile_simulate,
         budgeted=True,
         micro_batched=True,
-        details=_details,
+        details=micro_batch_details,
     )
 )

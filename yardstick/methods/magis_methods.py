@@ -34,6 +34,24 @@ OPTIMIZE_SECONDS = 60.0
 OPTIMIZE_STATES = DEFAULT_MAX_STATES
 
 
+def search_details(result: SearchResult, peak: int, latency: float) -> dict[str, Any]:
+    """A search's statistics (MAGIS §7.4: how fast a first plan comes) and what its plan does,
+    beside the captured step's simulated ``peak`` and ``latency``: set beside a measured row,
+    the simulator's fidelity."""
+    stats = result.stats
+    return {
+        "simulated_peak_ratio": result.best.peak_bytes / peak,
+        "simulated_latency_ratio": result.best.latency_s / latency,
+        "search_s": stats.seconds,
+        "first_feasible_s": stats.first_feasible_s,
+        "states": stats.states,
+        "stopped_by": stats.stopped_by,
+        "limit_met": stats.first_feasible_s is not None,
+        "fission": result.best.regions(),
+        "steps": [step.rule for step in result.best.steps],
+    }
+
+
 def scheduled_order(subject: Subject) -> tuple[str, ...]:
     """The captured graph's memory-optimal order (:func:`magis.schedule.schedule`, made once)."""
     return subject.once("scheduled_order", lambda: tuple(schedule(subject.graph).order))
@@ -115,21 +133,7 @@ def _optimizer(name: str, description: str, mode: Mode, **limits: Any) -> Method
     def details(subject: Subject, limit: float | None) -> dict[str, Any]:
         """The search's statistics (MAGIS §7.4: how fast a first plan comes) and what the plan does."""
         assert limit is not None
-        result = optimized(subject, limit, mode)
-        stats = result.stats
-        peak, latency = captured_simulated(subject)
-        return {
-            # the plan as the search saw it: set beside a measured row, the simulator's fidelity
-            "simulated_peak_ratio": result.best.peak_bytes / peak,
-            "simulated_latency_ratio": result.best.latency_s / latency,
-            "search_s": stats.seconds,
-            "first_feasible_s": stats.first_feasible_s,
-            "states": stats.states,
-            "stopped_by": stats.stopped_by,
-            "limit_met": stats.first_feasible_s is not None,
-            "fission": result.best.regions(),
-            "steps": [step.rule for step in result.best.steps],
-        }
+        return search_details(optimized(subject, limit, mode), *captured_simulated(subject))
 
     return Method(name, description, MAGIS, *planned_steps(best), details=details, **limits)
 

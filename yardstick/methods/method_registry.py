@@ -4,13 +4,19 @@ of a comparison.
 A method gives, for a :class:`~yardstick.methods.subject.Subject`, a real step (:class:`Runnable`)
 and a simulated one (:data:`Simulated`); a :class:`Variant` is a method at one budget, latency
 limit or micro-batch count. The families of :mod:`yardstick.methods` register their methods here.
+
+A method is a training step without its optimizer (forward, loss, backward: the gradients are its
+result, checked against eager's) or, :attr:`Method.full_step`, with it: the optimizer's update
+after or inside the backward, compared against :data:`FULL_STEP_REFERENCE`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from magis.ir.graph import Graph
 from magis.models import Built
@@ -26,6 +32,9 @@ MAGIS = "magis"
 #: the device profile simulated figures are priced on by default, and the baselines' planners plan for
 DEFAULT_DEVICE = "h200"
 REFERENCE = "eager"
+#: the reference of a comparison of full steps (:attr:`Method.full_step`): eager's
+#: ``loss.backward(); optimizer.step()`` (:mod:`yardstick.methods.full_step`)
+FULL_STEP_REFERENCE = "eager+step"
 DEFAULT_BUDGETS = (1.0, 0.5, 0.1)
 #: the latency limits of latency-limited methods: MAGIS Fig. 9's 5% and 10% overheads
 LATENCY_LIMITS = (1.05, 1.10)
@@ -45,6 +54,11 @@ class Runnable:
     built: Built
     #: why its gradients are not the full batch's (accumulation), ``None`` when they must equal eager's
     gradient_note: str | None = None
+    #: tensors resident besides the build's weights, buffers and inputs: a full step's optimizer states
+    resident: tuple[torch.Tensor, ...] = ()
+    #: the gradients the step's first run used, read after it (a full step consumes its gradients:
+    #: its optimizer's states tell them); ``None``: the gradients its result returns
+    used_gradients: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,8 @@ class Method:
     details: Callable[[Subject, float | None], dict[str, Any]] | None = None
     #: left out of the default method set: runs only when named (an optional package's peer)
     opt_in: bool = False
+    #: the step holds the optimizer's update (:mod:`yardstick.methods.full_step`), not only the backward
+    full_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,8 +130,11 @@ def register(method: Method) -> Method:
 def variants(
     names: Sequence[str] | None = None, budgets: Sequence[float] = DEFAULT_BUDGETS, batch: int | None = None
 ) -> list[Variant]:
-    """The variants to compare: ``names`` (default: every method but the opt-in ones), eager first, one per budget
-    and, for micro-batched methods, one per divisor ``k > 1`` of ``batch`` (none without a batch).
+    """The variants to compare: ``names`` (default: every method but the opt-in ones), the reference first, one
+    per budget and, for micro-batched methods, one per divisor ``k > 1`` of ``batch`` (none without a batch).
+
+    The reference is eager, or :data:`FULL_STEP_REFERENCE` when every method named is a full step
+    (:attr:`Method.full_step`): full steps are compared with eager's full step.
 
     A name may fix its own limit, ``magis-optimize@0.8`` or ``magis-optimize-lat@1.05``:
     that variant alone, whatever ``budgets`` says. Raises ValueError naming the valid
@@ -126,7 +145,8 @@ def variants(
     if not budgets:
         raise ValueError("give at least one activation memory budget")
     budgets = [check_budget(b) for b in budgets]
-    ordered = [(REFERENCE, None), *dict.fromkeys(f for f in fixed if f[0] != REFERENCE)]
+    reference = reference_of(n for n, _ in fixed)
+    ordered = [(reference, None), *dict.fromkeys(f for f in fixed if f[0] != reference)]
     out: list[Variant] = []
     counts = [k for k in range(2, (batch or 0) + 1) if batch % k == 0]
     for name, limit in ordered:
@@ -138,6 +158,14 @@ def variants(
             limits = budgets if method.budgeted else method.latency_limits or [None]
             out += [Variant(method, limit, k) for limit in limits]
     return out
+
+
+def reference_of(names: Iterable[str]) -> str:
+    """The reference of a comparison of the methods ``names`` (plain names, no limits): eager, or eager's
+    full step when every one of them is a full step."""
+    names = list(names)
+    full = FULL_STEP_REFERENCE in METHODS and names and all(METHODS[n].full_step for n in names)
+    return FULL_STEP_REFERENCE if full else REFERENCE
 
 
 def _fixed_limit(name: str) -> tuple[str, float | None]:

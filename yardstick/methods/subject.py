@@ -33,6 +33,9 @@ class Subject:
     batch: int | None = None
     seed: int = 0
     built: Built = field(init=False)
+    #: the floating-point type the model and its inputs are cast to (``None``: the workload's own);
+    #: float64 makes two ways of computing one step comparable to round-off
+    dtype: torch.dtype | None = None
     #: set on the subjects of gradient accumulation (:meth:`accumulating`): k micro-batches of batch / k
     micro_batches: int = 1
     #: what :meth:`once` made, by key
@@ -48,7 +51,12 @@ class Subject:
 
     def rebuild(self) -> Built:
         """A new build of the workload, identical to :attr:`built`."""
-        return build_workload(self.workload, self.preset, self.batch, self.seed)
+        built = build_workload(self.workload, self.preset, self.batch, self.seed)
+        if self.dtype is None:
+            return built
+        cast = [x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                for x in built.example_inputs]  # fmt: skip
+        return Built(built.model.to(self.dtype), tuple(cast), built.loss_fn)
 
     @property
     def inputs(self) -> tuple:
@@ -74,6 +82,15 @@ class Subject:
         if micro_batches == self.micro_batches:
             return self
         return self.once(("accumulating", micro_batches), lambda: self._split(micro_batches))
+
+    def own_build(self) -> Subject:
+        """This subject on a build of its own (:meth:`rebuild`: the same weights and inputs), sharing
+        the captured step: for a method whose step changes the weights (a full step updates them), so
+        that every method of a comparison starts from the same weights."""
+        _ = self.graph  # capture before sharing
+        child = copy.copy(self)
+        child.built, child._made = self.rebuild(), {}
+        return child
 
     def _split(self, micro_batches: int) -> Subject:
         if micro_batches < 1 or self.batch_size % micro_batches:

@@ -1,0 +1,270 @@
+"""The whole step (issue #29): ``magis.optimize(..., optimizer=opt)`` runs forward, backward and the
+update, and must leave the parameters and the optimizer's states exactly as eager's
+``zero_grad(); backward(); step()`` would, with the measured peak the simulated one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import magis
+from magis.backend.meter import LiveTensorMeter
+from magis.frontend.optimizer import ParameterUpdate
+
+STEPS = 10
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Dropout(0.2), nn.Linear(24, 24), nn.Tanh())
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean(dim=(2, 3)))
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output projection's (as BERT's and GPT-2's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.mix = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 40, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mix(self.embed(ids))))
+
+
+def _workload(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    if name == "dropout":
+        return DropoutMLP().double(), (torch.randn(8, 12, dtype=torch.float64), torch.randint(0, 3, (8,)))
+    if name == "batch-norm":
+        return ConvBN().double(), (torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (4,)))
+    ids = torch.randint(0, 40, (4, 6))
+    return TiedLM().double(), (ids, torch.roll(ids, 1, dims=1))
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _optimizer(
+    kind: str, model: nn.Module
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.1), None
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-3), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
+
+
+def _eager_step(model, opt, batch, max_grad_norm=None) -> torch.Tensor:
+    opt.zero_grad()
+    loss = _loss(model, *batch)
+    loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    return loss
+
+
+def _assert_same(model, twin, opt, opt_twin, exact: bool = True) -> None:
+    """Parameters, optimizer states and buffers equal: bitwise, or (``exact=False``, a fissioned
+    plan, which sums a gradient over its parts in another order) to float64's rounding."""
+
+    def same(a: torch.Tensor, b: torch.Tensor, what: object) -> None:
+        if exact:
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=str(what))
+
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        same(p, q, name)
+        assert p.grad is None, name
+        state, state_twin = opt.state[p], opt_twin.state[q]
+        assert state.keys() == state_twin.keys(), name
+        for key in state:
+            same(state[key], state_twin[key], (name, key))
+    for b, c in zip(model.buffers(), twin.buffers()):
+        same(b, c, "buffer")
+
+
+@pytest.mark.parametrize("workload", ["dropout", "batch-norm", "tied"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_ten_steps_equal_eager(workload: str, kind: str) -> None:
+    model, batch = _workload(workload)
+    twin = copy.deepcopy(model)
+    opt, schedule = _optimizer(kind, model)
+    opt_twin, schedule_twin = _optimizer(kind, twin)
+    limit = 0.85 if workload == "tied" else 0.95  # the tied model's plans fission the embedding's backward
+    plan = magis.optimize(
+        model,
+        batch,
+        training_step=_loss,
+        optimizer=opt,
+        memory_limit=limit,
+        time_budget=10,
+        max_states=40,
+        progress=False,
+    )
+    report = plan.report()
+    assert report.optimizer["in_plan"]
+    exact = not report.transformations["fission"]
+    for i in range(STEPS):
+        torch.manual_seed(i)
+        loss = plan(*batch)
+        torch.manual_seed(i)
+        loss_twin = _eager_step(twin, opt_twin, batch)
+        torch.testing.assert_close(loss, loss_twin, rtol=0 if exact else 1e-10, atol=0 if exact else 1e-12)
+        for s in (schedule, schedule_twin):
+            if s is not None:
+                s.step()
+        _assert_same(model, twin, opt, opt_twin, exact)
+    # steady state (every state made): the measured peak is the simulated one and within the limit
+    with LiveTensorMeter(resident=_resident(model, opt, batch)) as meter:
+        plan(*batch)
+    measured = meter.reading().peak_bytes
+    assert abs(measured - plan.peak_bytes) <= 0.02 * plan.peak_bytes, (measured, plan.peak_bytes)
+    assert measured <= 1.02 * plan.objective.memory_bytes
+
+
+def _resident(model, opt, batch):
+    states = [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return [*model.parameters(), *model.buffers(), *states, *batch]
+
+
+class Deep(nn.Module):
+    """Eight equal layers: the gradients, not one update's temporaries, make the full step's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(48, 48), nn.Tanh())])
+        self.head = nn.Linear(48, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def _deep() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    return Deep().double(), (torch.randn(8, 48, dtype=torch.float64), torch.randint(0, 4, (8,)))
+
+
+def test_early_updates_run_before_the_backward_ends() -> None:
+    model, batch = _deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = magis.optimize(
+        model, batch, training_step=_loss, optimizer=opt, memory_limit=0.85, time_budget=10, progress=False
+    )
+    report = plan.report()
+    assert report.peak_ratio <= 0.85 and any(step["rule"] == "early-update" for step in report.transformations["steps"])
+    pos = {name: i for i, name in enumerate(plan.order)}
+    updates = {p: n for n in plan.graph.nodes if isinstance(n.target, ParameterUpdate) for p in n.target.params}
+    last_gradient = max(pos[g] for n in updates.values() for g in n.target.gradients(n))
+    # the last hidden layer's gradient is final early: its update runs while the backward still goes on
+    assert pos[updates["layers.14.weight"].name] < last_gradient
+    assert report.optimizer["updated_before_backward_ends"] >= 8
+
+
+def test_clipping_is_exact_and_holds_the_gradients() -> None:
+    model, batch = _deep()
+    twin = copy.deepcopy(model)
+    opt, opt_twin = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    plan = magis.optimize(
+        model, batch, training_step=_loss, optimizer=opt, max_grad_norm=0.05, time_budget=10, progress=False
+    )
+    clipped = plan.report().optimizer
+    other = copy.deepcopy(model)
+    unclipped = magis.optimize(
+        other, batch, training_step=_loss, optimizer=torch.optim.AdamW(other.parameters()),
+        memory_limit=plan.peak_bytes, time_budget=10, progress=False, verify=False,
+    )  # fmt: skip
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert clipped["clipping_holds_bytes"] == gradient_bytes
+    assert unclipped.peak_bytes < plan.peak_bytes  # without clipping, updates free gradients early
+    for i in range(3):
+        torch.manual_seed(i)
+        plan(*batch)
+        torch.manual_seed(i)
+        _eager_step(twin, opt_twin, batch, max_grad_norm=0.05)
+        _assert_same(model, twin, opt, opt_twin)
+
+
+def test_another_optimizer_is_stepped_after_the_plan() -> None:
+    model, batch = _workload("dropout")
+    twin = copy.deepcopy(model)
+    opt, opt_twin = (torch.optim.RMSprop(m.parameters(), lr=1e-2) for m in (model, twin))
+    plan = magis.optimize(model, batch, training_step=_loss, optimizer=opt, time_budget=5, progress=False)
+    summary = plan.report().optimizer
+    assert not summary["in_plan"] and "RMSprop" in summary["note"] and "after the plan" in summary["note"]
+    for i in range(3):
+        torch.manual_seed(i)
+        plan(*batch)
+        torch.manual_seed(i)
+        _eager_step(twin, opt_twin, batch)
+        _assert_same(model, twin, opt, opt_twin)
+
+
+def test_whole_step_refuses_what_it_cannot_do_right(tmp_path) -> None:
+    model, batch = _workload("dropout")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="optimizer= too"):
+        magis.optimize(model, batch, training_step=_loss, max_grad_norm=1.0, progress=False)
+    with pytest.raises(ValueError, match="not the model's"):
+        magis.optimize(model, batch, training_step=_loss, optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1))
+    plan = magis.optimize(model, batch, training_step=_loss, optimizer=opt, time_budget=5, progress=False)
+    with pytest.raises(ValueError, match="GradScaler"):
+        plan(*batch, grad_scale=1024.0)
+    next(model.parameters()).grad = torch.zeros_like(next(model.parameters()))
+    with pytest.raises(ValueError, match="zero_grad"):
+        plan(*batch)
+    opt.zero_grad()
+    opt.param_groups[0]["nesterov"] = True
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match="optimize again"):
+        plan(*batch)
+    opt.param_groups[0]["nesterov"] = False
+    opt.param_groups[0]["momentum"] = 0.0
+    path = plan.save(tmp_path / "step.plan")
+    with pytest.raises(ValueError, match="optimizer"):
+        magis.load_plan(path, model)
+    loaded = magis.load_plan(path, model, opt)
+    before = [p.clone() for p in model.parameters()]
+    loaded(*batch)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_planned_keeps_its_plan_across_learning_rates(tmp_path) -> None:
+    model, batch = _workload("dropout")
+    twin = copy.deepcopy(model)
+    opt, schedule = _optimizer("adamw", model)
+    opt_twin, schedule_twin = _optimizer("adamw", twin)
+    step = magis.planned(model, training_step=_loss, optimizer=opt, cache_dir=tmp_path, time_budget=5, progress=False)
+    for i in range(4):
+        torch.manual_seed(i)
+        step(*batch)
+        torch.manual_seed(i)
+        _eager_step(twin, opt_twin, batch)
+        schedule.step()
+        schedule_twin.step()
+        _assert_same(model, twin, opt, opt_twin)
+    assert step.searches == 1
