@@ -117,14 +117,22 @@ def first_gradients(
     return read
 
 
+def _with_optimizer(
+    model: torch.nn.Module, subject: Subject
+) -> tuple[dict[str, torch.nn.Parameter], torch.optim.AdamW, list[str], list[torch.Tensor]]:
+    """``model``'s parameters by name, a new AdamW of them, the names it trains and the states its
+    first step would make, made now (resident from the first, metered step on)."""
+    params = dict(model.named_parameters())
+    optimizer = make_optimizer(model.parameters())
+    names = trained(subject)
+    return params, optimizer, names, start_states(optimizer, [params[n] for n in names])
+
+
 def stepped(runnable: Runnable, subject: Subject) -> Runnable:
     """``runnable``'s step, then ``optimizer.step()`` on the gradients it returns: the parameters of
     its build's model get them as ``.grad``, are updated, and lose them (``zero_grad``)."""
     model = runnable.built.model
-    params = dict(model.named_parameters())
-    optimizer = make_optimizer(model.parameters())
-    names = trained(subject)
-    states = start_states(optimizer, [params[n] for n in names])
+    params, optimizer, names, states = _with_optimizer(model, subject)
 
     def step(scope: AbstractContextManager) -> StepResult:
         result = runnable.step(scope)
@@ -303,10 +311,7 @@ def _magis_real(subject: Subject, limit: float | None) -> Runnable:
     program = lower(graph, order)
     own = subject.own_build()
     model = own.built.model
-    params = dict(model.named_parameters())
-    optimizer = make_optimizer(model.parameters())
-    names = trained(subject)
-    states = start_states(optimizer, [params[n] for n in names])
+    params, optimizer, names, states = _with_optimizer(model, subject)
 
     def step(scope: AbstractContextManager) -> StepResult:
         with scope:
