@@ -20,11 +20,15 @@ Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane
   the search found no plan within M);
 - (c) the search: the slowest first feasible plan and the longest search, in seconds;
 - (d) measured presets: the largest difference between a plan's measured latency ratio
-  and the one the search simulated, in points (measured minus simulated).
+  and the one the search simulated, in points (measured minus simulated);
+- (e) with ``--runtimes``: ``magis-optimize@M``'s plan run by the interpreter and compiled
+  (``compile=True``) beside its generated code: each one's latency ratio to eager, its time
+  over ``compile@1``'s and its peak beside the lowest ``compile@B`` within its own time.
 
     python experiments/optimize.py [--models bert-base,unet] [--presets paper,small]
                              [--peers eager,accumulate,compile,...] [--budget 1 0.5 0.1]
                              [--latency-limits 1.05 1.10] [--memory-limits 0.8 0.6 0.4]
+                             [--runtimes interpreted,compiled]
                              [--peers-from results/optimize] [--out results/optimize]
 
 Simulated peers are deterministic: ``--peers-from DIR`` takes the peers' rows (and
@@ -74,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, nargs="+", default=list(DEFAULT_BUDGETS), metavar="B")
     parser.add_argument("--latency-limits", type=float, nargs="*", default=list(LATENCY_LIMITS), metavar="L")
     parser.add_argument("--memory-limits", type=float, nargs="*", default=list(MEMORY_LIMITS), metavar="M")
+    parser.add_argument(
+        "--runtimes",
+        default="",
+        help="comma-separated runtimes that also run magis-optimize@M's plans beside its generated code: "
+        "interpreted, compiled (issue #30; measured presets)",
+    )
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds of measured runs, at least")
     parser.add_argument("--device", default="h200", help="device profile of simulated latencies")
     parser.add_argument("--peers-from", type=Path, default=None, metavar="DIR", help="reuse simulated peers' rows")
@@ -87,7 +97,16 @@ def methods(args: argparse.Namespace) -> list[str]:
         *args.peers.split(","),
         *(f"magis-optimize-lat@{limit:g}" for limit in args.latency_limits),
         *(f"magis-optimize@{limit:g}" for limit in args.memory_limits),
+        *(f"magis-optimize-{runtime}@{limit:g}" for runtime in runtimes(args) for limit in args.memory_limits),
     ]
+
+
+def runtimes(args: argparse.Namespace) -> list[str]:
+    chosen = [r for r in args.runtimes.split(",") if r]
+    unknown = [r for r in chosen if r not in ("interpreted", "compiled")]
+    if unknown:
+        raise SystemExit(f"--runtimes: unknown {', '.join(unknown)} (interpreted, compiled)")
+    return chosen
 
 
 def run_one(workload: str, preset: str, args: argparse.Namespace) -> Comparison:
@@ -149,6 +168,9 @@ def summary(comparison: Comparison, args: argparse.Namespace) -> dict[str, Any]:
             overhead = f"{plan.latency_ratio - 1.0:+.1%}"
             out[f"mem {limit:g}: overhead"] = overhead if met else f"infeasible ({plan.peak_ratio:.3f})"
         searches.append(details)
+    for runtime in runtimes(args):  # (e) issue #30: each runtime beside eager and torch.compile
+        for limit in args.memory_limits:
+            out.update(_runtime_columns(rows, f"magis-optimize-{runtime}@{limit:g}"))
     if comparison.measured:  # (d) the simulator's fidelity: each plan's simulated latency ratio beside its measured one
         errors = [
             row.latency_ratio - row.details["simulated_latency_ratio"]
@@ -159,6 +181,24 @@ def summary(comparison: Comparison, args: argparse.Namespace) -> dict[str, Any]:
     first = [d["first_feasible_s"] for d in searches if d.get("first_feasible_s") is not None]
     out["first feasible s (max)"] = f"{max(first):.1f}" if first else "-"
     out["search s (max)"] = f"{max(d.get('search_s', 0.0) for d in searches):.0f}" if searches else "-"
+    return out
+
+
+def _runtime_columns(rows: dict[str, Row], name: str) -> dict[str, str]:
+    """A plan in one runtime: its latency ratio to eager, its time over ``compile@1``'s, and whether
+    its peak is no higher than the lowest ``compile@B`` as fast as it ("-": none is)."""
+    plan, full = rows.get(name), rows.get("compile@1")
+    if plan is None:
+        return {f"{name}: lat": "-"}
+    out = {f"{name}: lat": f"{plan.latency_ratio:.3f}"}
+    if full is not None:
+        within = [
+            row.peak_ratio
+            for method, row in rows.items()
+            if method.startswith("compile@") and row.latency_ratio <= plan.latency_ratio
+        ]
+        out[f"{name}: / compile@1"] = f"{plan.latency_ratio / full.latency_ratio:.3f}"
+        out[f"{name}: peak vs compile@B"] = f"{plan.peak_ratio:.3f} vs {min(within):.3f}" if within else "-"
     return out
 
 

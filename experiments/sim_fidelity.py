@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from driver import write_json
 
-from magis.backend.runtime import lower, run_program
+from magis.backend.program import lower
+from magis.backend.runtime import run_program
 from magis.cost.latency import ProfiledCostModel, estimate_latency
 from magis.frontend.capture import CaptureError, capture
 from magis.ir.graph import Graph

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from magis.backend.codegen import GeneratedStep
 from magis.backend.eager import compare_gradients
+from magis.backend.runtime import Runtime
 from magis.backend.verify import Verification, forked_rng, run_both, verify_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
@@ -132,8 +134,10 @@ def measure_against_eager(
     seed: int = 0,
     *,
     training_step: TrainingStep | None = None,
+    runtime: Runtime | GeneratedStep = "generated",
 ) -> dict[str, Any]:
-    """Run the step twice from the same state and seed: eager PyTorch, then the magis runtime.
+    """Run the step twice from the same state and seed: eager PyTorch, then the magis runtime
+    (``runtime``: generated code, the interpreter, or a plan's own step such as ``plan.compiled``).
 
     Returns ``measured_peak_bytes``, ``eager_peak_bytes``, ``max_grad_error`` (the
     loss counts as one more gradient) and the parameters whose gradient only one of
@@ -141,7 +145,7 @@ def measure_against_eager(
     would never train) and ``extra_gradients``. With any of those, ``max_grad_error``
     is infinite. The model's buffers, gradients and the generators are left as before.
     """
-    both = run_both(graph, order, model, batch, UserStep(loss_fn, training_step), seed, measure=True)
+    both = run_both(graph, order, model, batch, UserStep(loss_fn, training_step), seed, measure=True, runtime=runtime)
     comparison = compare_gradients(
         {**both.reference.gradients, "<loss>": both.reference.loss},
         {**both.result.gradients, "<loss>": both.result.loss},
@@ -171,6 +175,7 @@ def optimize(
     progress: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
     max_grad_norm: float | None = None,
+    compile: bool = False,
 ) -> Plan:
     """Capture the training step and search for the plan MAGIS Algorithm 3 finds best.
 
@@ -213,7 +218,15 @@ def optimize(
     ``max_grad_norm`` clips the gradients first, as ``torch.nn.utils.clip_grad_norm_``: every
     gradient is then held until the last is final (the report says how many bytes that holds).
     The limits are of the whole step: a fraction is of eager's step with its update.
+
+    The plan runs as generated Python (:mod:`magis.backend.codegen`); ``compile=True`` runs its
+    maximal segments of aten ops compiled by Inductor (:mod:`magis.backend.compiled`, compiled on
+    the first call; ``plan.runtime`` is ``"compiled"``), and an analytic ``device`` profile then
+    prices chains of pointwise ops as the fused kernels they become
+    (:attr:`~magis.cost.latency.AnalyticCostModel.fused`), the captured step's latency included.
     """
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile is True or False, got {compile!r}")
     model = user_model(model)
     step = UserStep(loss_fn, training_step)  # bad input fails before the capture
     spec = BatchSpec.of(batch)
@@ -226,7 +239,7 @@ def optimize(
     fake = is_fake(model)
     device = device or ("h200" if fake else _local_device(model))
     # the captured step is timed, the rest estimated
-    latency_model = cost_model(device, estimate_unseen=True, progress=progress)
+    latency_model = cost_model(device, estimate_unseen=True, progress=progress, fused=compile)
     warn_if_evaluating(model)
     conditions = Conditions.of(model)
     with forked_rng(model):
@@ -268,6 +281,7 @@ def optimize(
         planning_only=fake,
         optimizer=optimizer,
         max_grad_norm=max_grad_norm,
+        runtime="compiled" if compile else "generated",
     )
     if not objective.met_by(best):  # the near miss goes with the error
         raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)

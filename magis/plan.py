@@ -2,13 +2,14 @@
 
 ``plan(*batch)`` (``plan(batch)`` for a mapping or one tensor: the batch as it was
 given to :func:`magis.optimize`) runs one training step with the magis runtime
-(:mod:`magis.backend.runtime`), on the model's parameters as they are at that call
-(an optimizer updates them in place between calls): it returns the loss,
-accumulates each parameter's gradient into ``.grad`` as ``loss.backward()`` would,
-and writes the new BatchNorm statistics into the model's buffers as an eager step
-does. Random ops draw from torch's generator in eager's order, so a seeded plan
-reproduces a seeded eager step. ``plan(*batch, grad_scale=s)`` seeds the backward
-with ``s`` (:mod:`magis.frontend.grad_seed`), leaving in ``.grad`` what
+(:mod:`magis.backend.runtime`: generated code unless ``plan.runtime`` says otherwise),
+on the model's parameters as they are at that call (an optimizer updates them in
+place between calls): it returns the loss, accumulates each parameter's gradient
+into ``.grad`` as ``loss.backward()`` would, and writes the new BatchNorm statistics
+into the model's buffers as an eager step does. Random ops draw from torch's
+generator in eager's order, so a seeded plan reproduces a seeded eager step.
+``plan(*batch, grad_scale=s)`` seeds the backward with ``s``
+(:mod:`magis.frontend.grad_seed`), leaving in ``.grad`` what
 ``scaler.scale(loss).backward()`` would, so ``scaler.step(optimizer)`` and
 ``scaler.update()`` work unchanged; the loss returned is unscaled.
 
@@ -27,11 +28,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from magis.backend.runtime import Program, lower, run_program
+from magis.backend.codegen import GeneratedStep, generate
+from magis.backend.compiled import compiled_segments
+from magis.backend.program import Program, lower
+from magis.backend.runtime import RUNTIMES, Runtime, run_program
 from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
@@ -42,6 +46,11 @@ from magis.frontend.step import BatchSpec, user_model
 from magis.ir.graph import Graph
 from magis.plan_file import read_plan_file, write_plan_file
 from magis.search.m_optimizer import Objective, SearchResult
+
+#: how a plan's step can run: the runtimes of :mod:`magis.backend.runtime` (``generated``, the
+#: default, and ``interpreted``) and ``compiled`` (:mod:`magis.backend.compiled`, ``optimize(compile=True)``)
+PlanRuntime = Literal["generated", "interpreted", "compiled"]
+PLAN_RUNTIMES: tuple[PlanRuntime, ...] = (*RUNTIMES, "compiled")
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class PlanReport:
     verification: str
     #: the optimizer's part of the step (:func:`optimizer_summary`); None without ``optimizer=``
     optimizer: dict[str, Any] | None = None
+    #: how the step runs (:meth:`Plan.runtime_summary`)
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,10 +122,22 @@ class Plan:
     planning_only: bool = False  # the model is on fake or meta tensors
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)  # the user's, stepped by each call
     max_grad_norm: float | None = None  # clipping before the update
+    runtime: PlanRuntime = "generated"  # how the step runs: one of PLAN_RUNTIMES
 
     @cached_property
     def program(self) -> Program:
         return lower(self.graph, self.order)
+
+    @cached_property
+    def generated(self) -> GeneratedStep:
+        """The step as generated Python (:mod:`magis.backend.codegen`); ``generated.source`` is its text."""
+        return generated_step(self.program)
+
+    @cached_property
+    def compiled(self) -> GeneratedStep:
+        """The generated step with its maximal segments of aten ops compiled by Inductor
+        (:mod:`magis.backend.compiled`; each segment compiles on its first call)."""
+        return generated_step(self.program, compile=True)
 
     def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | None = None) -> torch.Tensor:
         """One training step on ``batch``, given as to :func:`magis.optimize`: the loss (module docstring)."""
@@ -129,7 +152,7 @@ class Plan:
             _check_whole_step(self.model, grad_scale)
         in_plan = self.optimizer if self.graph.signature.optimizer else None
         with seeded(self.grad_seed, grad_scale), autocast_off():
-            result = run_program(self.program, self.model, inputs, optimizer=in_plan)
+            result = run_program(self.program, self.model, inputs, optimizer=in_plan, runtime=self._runner())
         if in_plan is not None:
             in_plan._opt_called = True  # what optimizer.step() sets: an LR scheduler checks it was stepped
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -148,6 +171,14 @@ class Plan:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return result.loss
+
+    def _runner(self) -> Runtime | GeneratedStep:
+        """What runs the bound step: the generated code or its compiled form (made once), or the interpreter."""
+        if self.runtime not in PLAN_RUNTIMES:
+            raise ValueError(f"runtime {self.runtime!r} is not one of {', '.join(PLAN_RUNTIMES)}")
+        if self.runtime == "compiled":
+            return self.compiled
+        return self.generated if self.runtime == "generated" else self.runtime
 
     def save(self, path: str | Path) -> Path:
         """Write the plan to ``path`` (:mod:`magis.plan_file`; not the model's weights), atomically:
@@ -188,7 +219,25 @@ class Plan:
             verified=self.verification.verified,
             verification=self.verification.note,
             optimizer=None if self.optimizer is None else optimizer_summary(self.graph, self.order, self.optimizer),
+            runtime=self.runtime_summary(),
         )
+
+    def runtime_summary(self) -> dict[str, Any]:
+        """How the step runs: ``name`` (:data:`PLAN_RUNTIMES`) and, compiled, its ``segments``, the
+        ``compiled_ops`` of its ``ops`` they hold, and each segment that Inductor could not compile
+        (``fallbacks``: its first op and why; it runs its ops as they are)."""
+        summary: dict[str, Any] = {"name": self.runtime}
+        if self.runtime == "compiled":
+            segments = self.compiled.segments
+            summary["segments"] = len(segments)
+            summary["compiled_ops"] = sum(s.ops for s in segments)
+            summary["ops"] = len(self.program.instructions)
+            summary["fallbacks"] = [
+                {"first_op": self.program.instructions[s.start].node, "reason": s.fallback}
+                for s in segments
+                if s.fallback is not None
+            ]
+        return summary
 
     def plot(self, path: str | Path) -> Path:
         """A PNG of the simulated memory over the step's time, the captured step beside the
@@ -219,8 +268,19 @@ class Plan:
         return path
 
 
-#: what a plan file holds: every field but the model (the caller's) and the cost model (made anew)
-_SAVED_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in ("model", "cost_model", "optimizer"))
+def generated_step(program: Program, compile: bool = False) -> GeneratedStep:
+    """``program`` as generated code (:mod:`magis.backend.codegen`); with ``compile``, its maximal
+    segments of aten ops compiled (:func:`magis.backend.compiled.compiled_segments`, which ends
+    a segment where the simulated memory peaks)."""
+    if not compile:
+        return generate(program)
+    live = simulate_memory(program.graph, program.order).timeline
+    return generate(program, segments=compiled_segments(program, live))
+
+
+#: what a plan file holds: every field but the model and optimizer (the caller's), the cost model (made
+#: anew) and the runtime (how this process runs it)
+_SAVED_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in ("model", "cost_model", "optimizer", "runtime"))
 
 
 def load_plan(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Plan:

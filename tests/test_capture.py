@@ -211,7 +211,9 @@ def test_profile_rejects_unknown_device(convnet):
 
 
 def test_graph_back_to_fx_code_runs_like_the_runtime(convnet):
-    from magis.backend.runtime import bind, execute, lower
+    from magis.backend.interpreter import execute
+    from magis.backend.program import lower
+    from magis.backend.runtime import bind
     from magis.ir.fx import to_fx
 
     model, inputs, loss_fn = convnet

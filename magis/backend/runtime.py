@@ -1,58 +1,35 @@
-"""Execute a graph on real tensors in a given schedule.
+"""Run a graph's training step on real tensors in a given schedule.
 
-The interpreter runs the nodes in the schedule's order and drops its reference to
-every value right after the value's last reader ran, so memory follows the
-simulator's timeline (:mod:`magis.cost.memory`). Swap transfers (Store and Load,
-:mod:`magis.backend.transfer`) run on a side stream on CUDA, each reader of a
-loaded tensor waiting for its copy; on a CPU they run in place. Parameters, buffers and inputs
-are bound by name from the user's module; the step returns the loss, every
-parameter gradient and the new buffer values (which it can write back, as an
-eager step mutates BatchNorm statistics in place).
+The graph is lowered for the schedule (:mod:`magis.backend.program`) and run as
+generated code (:mod:`magis.backend.codegen`, the default) or by the interpreter
+(:mod:`magis.backend.interpreter`). Parameters, buffers and inputs are bound by name
+from the user's module; the step returns the loss, every parameter gradient and the
+new buffer values (which it can write back, as an eager step mutates BatchNorm
+statistics in place).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from magis.backend.transfer import Load, Store, TransferStreams
+from magis.backend.codegen import GeneratedStep, generate
+from magis.backend.interpreter import execute
+from magis.backend.program import Program, lower
 from magis.frontend.optimizer import bound_optimizer_inputs
-from magis.ir.graph import Graph, Node, Ref, is_view, map_refs
+from magis.ir.graph import Graph, Node, Ref, map_refs
+
+#: how a program runs: ``generated`` Python (:mod:`magis.backend.codegen`) or ``interpreted``
+#: instruction by instruction (:mod:`magis.backend.interpreter`, slower)
+Runtime = Literal["generated", "interpreted"]
+RUNTIMES: tuple[Runtime, ...] = ("generated", "interpreted")
 
 
 class RuntimeBindError(ValueError):
     """The module or inputs do not match the captured graph."""
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One step: run ``node`` then forget the values in ``free``; on CUDA, first wait for
-    the copies of the Loads in ``waits`` (whose tensors the node reads)."""
-
-    node: str
-    fn: Callable[..., Any]
-    args: tuple
-    kwargs: dict[str, Any]
-    free: tuple[str, ...]
-    waits: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Program:
-    """A graph lowered to a straight-line list of instructions for one schedule."""
-
-    graph: Graph
-    order: tuple[str, ...]
-    instructions: tuple[Instruction, ...]
-
-    @property
-    def swaps(self) -> bool:
-        """Whether the program moves tensors to and from host memory."""
-        return any(isinstance(ins.fn, (Store, Load)) for ins in self.instructions)
 
 
 @dataclass
@@ -62,59 +39,6 @@ class StepResult:
     loss: torch.Tensor
     gradients: dict[str, torch.Tensor]
     buffer_updates: dict[str, torch.Tensor]
-
-
-def lower(graph: Graph, order: Sequence[str] | None = None) -> Program:
-    """Lower ``graph`` in ``order`` (default: its node order) to a :class:`Program`."""
-    order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
-    graph.check_schedule(order)
-    pos = {name: i for i, name in enumerate(order)}
-    keep = set(graph.outputs) | set(graph.inputs)
-    last_use: dict[str, int] = {}
-    for name in order:
-        for p in graph[name].inputs:
-            last_use[p] = max(last_use.get(p, -1), pos[name])
-    frees: dict[int, list[str]] = {}
-    for name in order:
-        if name in keep:
-            continue
-        frees.setdefault(last_use.get(name, pos[name]), []).append(name)
-    loads = {n.name for n in graph.nodes if isinstance(n.target, Load)}
-    instructions = []
-    for i, name in enumerate(order):
-        node = graph[name]
-        if node.is_input:
-            continue
-        waits = ()
-        if loads and not is_view(node):  # a view launches nothing: its readers wait instead
-            waits = tuple(sorted({k[0] for p in node.inputs for k in graph.storages[p] if k and k[0] in loads}))
-        fn = _owning_its_result(node.target) if node.target in _REDUCED_IN_PLACE else node.target
-        instructions.append(Instruction(name, fn, node.args, dict(node.kwargs), tuple(frees.get(i, ())), waits))
-    return Program(graph, order, tuple(instructions))
-
-
-#: Loss kernels whose reduced result keeps the storage of the elementwise loss they reduced in
-#: place: on CPU (torch 2.13) ``mse_loss`` of two 128x64 float64 tensors returns a 0-dim tensor
-#: on 65,536 bytes, held as long as the loss is. The simulator counts the result's own bytes.
-_REDUCED_IN_PLACE = frozenset(
-    {
-        torch.ops.aten.mse_loss.default,
-        torch.ops.aten.smooth_l1_loss.default,
-        torch.ops.aten.binary_cross_entropy.default,
-        torch.ops.aten.soft_margin_loss.default,
-    }
-)
-
-
-def _owning_its_result(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``kernel``, its result copied out of a storage larger than itself (the copy is a few
-    bytes; the storage it frees is the size of the loss's input)."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        out = kernel(*args, **kwargs)
-        return out.clone() if out.untyped_storage().nbytes() > out.nbytes else out
-
-    return run
 
 
 def module_tensors(model: torch.nn.Module, names: Sequence[tuple[str, str]]) -> list[torch.Tensor | None]:
@@ -185,69 +109,18 @@ def bind_arguments(node: Node, value: Callable[[str], Any], device: torch.device
     return args, kwargs
 
 
-def execute(
-    program: Program,
-    env: dict[str, Any],
-    seconds: list[float] | None = None,
-    emit: Callable[[str, Any], None] | None = None,
-) -> dict[str, Any]:
-    """Run the instructions; ``env`` holds the bound inputs and receives the outputs.
-
-    With ``seconds``, the wall time of each instruction (mapping its arguments, the
-    call, freeing what died) is appended to it: the in-step profile of
-    :func:`magis.cost.op_timing.measure_in_step`. With ``emit``, each value is handed
-    to ``emit(node, value)`` as soon as it is made, before what died is freed (a
-    fissioned region merges a part's results as they come).
-    """
-
-    def value(ref: Ref) -> Any:
-        return env[ref.name]
-
-    streams = _transfer_streams(program, env)
-    clock = time.perf_counter
-    with torch.no_grad():
-        for ins in program.instructions:
-            if seconds is not None:
-                start = clock()
-            args = map_refs(ins.args, value)
-            kwargs = map_refs(ins.kwargs, value) if ins.kwargs else {}
-            if streams is None:
-                env[ins.node] = ins.fn(*args, **kwargs)
-            elif isinstance(ins.fn, (Store, Load)):
-                env[ins.node] = streams.run(ins.node, ins.fn, *args)
-            else:
-                streams.wait_for(ins.waits)
-                env[ins.node] = ins.fn(*args, **kwargs)
-            del args, kwargs
-            if emit is not None:
-                emit(ins.node, env[ins.node])
-            for name in ins.free:
-                del env[name]
-            if seconds is not None:
-                seconds.append(clock() - start)
-        if streams is not None:
-            streams.finish()
-    return env
-
-
-def _transfer_streams(program: Program, env: dict[str, Any]) -> TransferStreams | None:
-    """A side stream for the swaps of a program that runs on CUDA, else ``None``."""
-    if not program.swaps:
-        return None
-    device = next((v.device for v in env.values() if isinstance(v, torch.Tensor) and v.is_cuda), None)
-    return None if device is None else TransferStreams(device)
-
-
 def run_step(
     graph: Graph,
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
     order: Sequence[str] | None = None,
     apply_buffer_updates: bool = True,
+    runtime: Runtime | GeneratedStep = "generated",
 ) -> StepResult:
-    """Run one training step of ``graph`` on ``model``'s tensors in ``order``."""
+    """Run one training step of ``graph`` on ``model``'s tensors in ``order`` (``runtime``: as
+    :func:`run_program` says; a generated step must be of this graph in this order)."""
     program = lower(graph, order)
-    return run_program(program, model, example_inputs, apply_buffer_updates)
+    return run_program(program, model, example_inputs, apply_buffer_updates, runtime=runtime)
 
 
 def run_program(
@@ -256,11 +129,21 @@ def run_program(
     example_inputs: Sequence[Any],
     apply_buffer_updates: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
+    runtime: Runtime | GeneratedStep = "generated",
 ) -> StepResult:
     """Run an already lowered program (see :func:`lower`); ``optimizer`` is the one whose
-    update the graph holds, if it holds one."""
+    update the graph holds, if it holds one. ``runtime`` names how it runs, or is the
+    program's generated step, made once by the caller who runs it many times."""
     graph = program.graph
-    env = execute(program, bind(graph, model, example_inputs, optimizer))
+    env = bind(graph, model, example_inputs, optimizer)
+    if isinstance(runtime, GeneratedStep):
+        runtime(env)
+    elif runtime == "interpreted":
+        execute(program, env)
+    elif runtime == "generated":
+        generate(program)(env)
+    else:
+        raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     sig = graph.signature
     result = StepResult(
         loss=env[sig.loss],

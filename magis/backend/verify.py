@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from magis.backend.codegen import GeneratedStep
 from magis.backend.eager import (
     GRADIENT_TOLERANCE,
     NOISE_FLOOR,
@@ -31,7 +32,7 @@ from magis.backend.eager import (
     slice_batch,
 )
 from magis.backend.meter import peak_meter
-from magis.backend.runtime import StepResult, run_step
+from magis.backend.runtime import Runtime, StepResult, run_step
 from magis.frontend.capture import capture
 from magis.frontend.conditions import autocast_off, autocast_state
 from magis.frontend.fx_graph import draws_random_numbers
@@ -73,11 +74,12 @@ def run_both(
     step: UserStep,
     seed: int = 0,
     measure: bool = False,
+    runtime: Runtime | GeneratedStep = "generated",
 ) -> BothSteps:
-    """Eager's step, then ``graph`` in ``order`` (autocast off: it holds its casts), each from
-    ``seed`` and the same buffers, with ``measure`` each measured
-    (:func:`~magis.backend.meter.peak_meter`); the model's buffers, ``.grad`` and the
-    generators are as before afterwards."""
+    """Eager's step, then ``graph`` in ``order`` (autocast off: it holds its casts) run as
+    ``runtime`` says (:func:`~magis.backend.runtime.run_program`), each from ``seed`` and the
+    same buffers, with ``measure`` each measured (:func:`~magis.backend.meter.peak_meter`);
+    the model's buffers, ``.grad`` and the generators are as before afterwards."""
     inputs = BatchSpec.of(batch).tensors(batch)
     constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
     with _model_kept(model) as before, forked_rng(model):
@@ -88,7 +90,7 @@ def run_both(
         restore_buffers(model, before)
         with peak_meter(model, [*inputs, *constants]) if measure else _Unmeasured() as meter, autocast_off():
             torch.manual_seed(seed)
-            result = run_step(graph, model, inputs, order, apply_buffer_updates=False)
+            result = run_step(graph, model, inputs, order, apply_buffer_updates=False, runtime=runtime)
     return BothSteps(reference, result, before, after, eager_meter.peak_bytes, meter.peak_bytes)
 
 

@@ -6,7 +6,8 @@ latency whose simulated peak fits ``--memory-limit``, or the lowest peak within
 PyTorch from the same seed and reports both measured peaks and the largest
 gradient difference; ``--plot`` draws the memory timelines of the captured step
 and the plan. ``--optimizer adamw|adam|sgd`` plans the whole step, the update included
-(``optimize(..., optimizer=)``), the limits then of eager's full step.
+(``optimize(..., optimizer=)``), the limits then of eager's full step. ``--compile``
+runs the plan's segments compiled by Inductor (``optimize(..., compile=True)``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-grad-norm", type=float, default=None, help="clip the gradients first (needs --optimizer)"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the plan's segments of operators compiled by Inductor (optimize(compile=True))",
+    )
     parser.add_argument("--run", action="store_true", help="run the plan and eager PyTorch, measure both")
     parser.add_argument("--plot", metavar="F.png", default=None, help="write the memory timelines to this PNG")
 
@@ -85,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.json,
         optimizer=None if optimizer_class is None else optimizer_class(built.model.parameters()),
         max_grad_norm=args.max_grad_norm,
+        compile=args.compile,
     )
     details = plan.report()
     report: dict[str, Any] = {
@@ -106,7 +113,13 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.run:
         log("running the plan and eager PyTorch")
-        report.update(measure_against_eager(plan.graph, plan.order, built.model, built.example_inputs, built.loss_fn))
+        step = plan.compiled if args.compile else plan.generated
+        report.update(
+            measure_against_eager(
+                plan.graph, plan.order, built.model, built.example_inputs, built.loss_fn, runtime=step
+            )
+        )
+    report["runtime"] = plan.runtime_summary()  # after the run: a segment's fallback is known once it ran
     if args.plot:
         report["plot"] = str(plan.plot(args.plot))
     if not args.json:

@@ -49,7 +49,7 @@ from magis.cost.op_keys import NodeStrides, in_step_key, measurable, node_key, o
 from magis.cost.op_timing import measure_in_step, measure_nodes
 from magis.cost.runtime_costs import RuntimeCosts, binding_seconds, measure_runtime_costs
 from magis.cost.timing_cache import LatencyCache, default_cache_path
-from magis.ir.graph import Graph, Node, is_view
+from magis.ir.graph import Graph, Node, Role, is_view
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -233,14 +233,44 @@ def node_bytes(graph: Graph, name: str) -> int:
     storage size for a broadcast (a stride-0 view reads each element once).
     """
     node = graph[name]
-    storages = graph.storages
+    return sum(_read_bytes(graph, ref) for ref in node.inputs) + node.fresh_bytes
+
+
+def _read_bytes(graph: Graph, ref: str) -> int:
+    """Bytes a kernel reads of the value ``ref`` (:func:`node_bytes`)."""
     sizes = graph.storage_bytes
-    read = 0
-    for ref in node.inputs:
-        for meta, storage in zip(graph[ref].outputs, storages[ref]):
-            if meta is not None and storage is not None:
-                read += min(meta.numel * meta.dtype.itemsize, sizes[storage])
-    return read + node.fresh_bytes
+    return sum(
+        min(meta.numel * meta.dtype.itemsize, sizes[storage])
+        for meta, storage in zip(graph[ref].outputs, graph.storages[ref])
+        if meta is not None and storage is not None
+    )
+
+
+def fusible(node: Node) -> bool:
+    """A pointwise operator (``torch.Tag.pointwise``) that draws no random numbers: Inductor
+    computes it inside the kernel of its pointwise neighbours instead of launching its own."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and not node.random
+
+
+def fused_with(producer: Node, reader: Node) -> bool:
+    """``reader`` computes ``producer``'s value inside its own kernel: both pointwise and in the
+    same pass (a value the forward makes and the backward reads is saved, not fused)."""
+    forward = (Role.ACTIVATION, Role.LOSS)
+    return fusible(producer) and fusible(reader) and (producer.role in forward) == (reader.role in forward)
+
+
+def fused_bytes(graph: Graph, name: str) -> tuple[int, bool]:
+    """What a pointwise node moves when its chain is one fused kernel (issue #30's fusion
+    model), and whether it opens that kernel: it reads only the inputs not computed in the
+    same kernel (:func:`fused_with`), and writes its result only where a reader is outside
+    it (or the step returns it); it opens a kernel when no input is computed in it."""
+    node = graph[name]
+    inside = [ref for ref in node.inputs if fused_with(graph[ref], node)]
+    read = sum(_read_bytes(graph, ref) for ref in node.inputs if ref not in inside)
+    readers = graph.consumers[name]
+    kept = name in graph.outputs or not readers or any(not fused_with(node, graph[r]) for r in readers)
+    return read + (node.fresh_bytes if kept else 0), not inside
 
 
 def _compute_dtype(graph: Graph, node: Node) -> torch.dtype:
@@ -269,6 +299,9 @@ class AnalyticCostModel:
     profile: DeviceProfile
     tf32_matmul: bool = False
     tf32_conv: bool = True
+    #: price the step as compiled (``optimize(compile=True)``): chains of pointwise ops as one
+    #: kernel each (:func:`fused_bytes`), so recomputing a pointwise op costs little
+    fused: bool = False
 
     def node_seconds(self, graph: Graph, name: str) -> float:
         node = graph[name]
@@ -278,6 +311,11 @@ class AnalyticCostModel:
         if is_free(node) or (is_view(node) and not _in_place(node)):
             return 0.0
         profile = self.profile
+        if self.fused and fusible(node):
+            nbytes, opens = fused_bytes(graph, name)
+            if opens:
+                return kernel_seconds(profile, 0.0, stream_seconds(profile, nbytes))
+            return nbytes / profile.bytes_per_second  # inside a kernel already launched
         passes = profile.batch_norm_passes if "batch_norm" in node.op_name else 1.0
         memory_s = stream_seconds(profile, int(passes * node_bytes(graph, name)))
         compute_s = 0.0
@@ -553,12 +591,16 @@ def has_device_memory(model: CostModel) -> bool:
     return isinstance(model, AnalyticCostModel) and model.profile.sm_count > 0
 
 
-def cost_model(device: str | None = None, estimate_unseen: bool = False, progress: bool = True) -> CostModel:
+def cost_model(
+    device: str | None = None, estimate_unseen: bool = False, progress: bool = True, fused: bool = False
+) -> CostModel:
     """The cost model for ``device``: ``"cpu"``/``"cuda"`` are profiled on this machine,
     a :data:`DEVICE_PROFILES` name (``"h200"``, ``"a100"``...) is analytic; ``None`` is ``"cpu"``.
     ``estimate_unseen``: a profiled model prices operators it has not timed from their kin
     once it has timed a graph (:class:`ProfiledCostModel`; what a search with a time budget
-    wants). ``progress``: a profiled model shows a bar while it times operators.
+    wants). ``progress``: a profiled model shows a bar while it times operators. ``fused``:
+    an analytic model prices chains of pointwise ops as the fused kernels a compiled step
+    runs (:attr:`AnalyticCostModel.fused`).
 
     An analytic model uses TF32 for fp32 matmuls and convolutions as this process's
     PyTorch settings say (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``).
@@ -571,5 +613,6 @@ def cost_model(device: str | None = None, estimate_unseen: bool = False, progres
             DEVICE_PROFILES[name],
             tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
             tf32_conv=torch.backends.cudnn.allow_tf32,
+            fused=fused,
         )
     raise ValueError(f"unknown device {device!r}: use one of {', '.join(['cpu', 'cuda', *DEVICE_PROFILES])}")

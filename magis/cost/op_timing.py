@@ -22,7 +22,10 @@ from typing import Any
 
 import torch
 
-from magis.backend.runtime import bind_arguments, execute, lower
+from magis.backend.codegen import generate
+from magis.backend.interpreter import execute
+from magis.backend.program import lower
+from magis.backend.runtime import bind_arguments
 from magis.cost.op_keys import NodeStrides, Strides, contiguous_strides
 from magis.ir.graph import Graph, Ref, TensorMeta, map_refs
 
@@ -183,11 +186,14 @@ def measure_in_step(
 ) -> dict[str, float]:
     """Seconds of each instruction of ``graph`` timed where it stands in its step.
 
-    The runtime (:func:`magis.backend.runtime.execute`) runs the graph in its node
+    The interpreter (:func:`magis.backend.interpreter.execute`) runs the graph in its node
     order on random inputs of the recorded shapes and strides (:func:`random_tensor`),
     once to warm up, then at least ``runs`` times and for at least
-    :data:`IN_STEP_MIN_SECONDS`; each instruction's time covers mapping its arguments,
-    the call and freeing the values that died. Only the middle half of the runs by
+    :data:`IN_STEP_MIN_SECONDS`, each run followed by a plain run of the generated step
+    (:mod:`magis.backend.codegen`, what a plan runs); each instruction's time covers
+    mapping its arguments, the call and freeing the values that died, and the times are
+    then moved by one shared amount so that they add up to the generated step's time
+    (which maps nothing: on a CPU a few microseconds less per instruction). Only the middle half of the runs by
     their total time count, as a median step time would: on a shared machine a
     neighbour can slow the core down for tens of milliseconds, and the fastest runs
     are the lucky ones. Each instruction gets :func:`_typical_seconds` of its samples
@@ -195,6 +201,7 @@ def measure_in_step(
     generators are left as they were. ``on_run`` is called after each run (a progress bar).
     """
     program = lower(graph)
+    generated = generate(program)
     timed: list[list[float]] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         inputs = {  # an input without a tensor (the optimizer's handle) is None: its updates use their own options
@@ -211,15 +218,16 @@ def measure_in_step(
             execute(program, dict(inputs), seconds)
             timed.append(seconds)
             start = time.perf_counter()
-            execute(program, dict(inputs))
+            generated(dict(inputs))
             plain.append(time.perf_counter() - start)
             if on_run is not None:
                 on_run()
     by_total = sorted(timed, key=sum)
     kept = by_total[len(by_total) // 4 : len(by_total) - len(by_total) // 4]  # the middle half
     typical = [_typical_seconds([run[i] for run in kept]) for i in range(len(program.instructions))]
-    # What the loop spends between the timed instructions, less what timing them costs,
-    # shared among the instructions: the instructions then add up to a plain run.
+    # What a plain run of the generated step spends beyond the timed instructions (less: it
+    # neither maps arguments nor reads a clock), shared among the instructions: they then add
+    # up to a plain run.
     between = (statistics.median(plain) - sum(typical)) / max(1, len(typical))
     return {ins.node: max(0.0, t + between) for ins, t in zip(program.instructions, typical)}
 

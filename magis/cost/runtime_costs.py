@@ -1,15 +1,14 @@
 """What the magis runtime spends beyond the operators' own times, measured once per
 machine (MAGIS §5: the simulator prices the step the runtime runs).
 
-Each instruction of the runtime's loop stores its result and frees what died; a
-``getitem`` maps its argument and picks an element, which no operator profile times;
-and each step binds its inputs to the module's tensors. On a CPU these add up to a
-few percent of a step.
+Each instruction of the generated step (:mod:`magis.backend.codegen`) stores its result
+and frees what died; a ``getitem`` picks an element, which no operator profile times;
+and each step binds its inputs to the module's tensors. On a CPU binding is the
+larger part.
 """
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +16,11 @@ from typing import Any
 
 import torch
 
-from magis.backend.runtime import bind, execute, lower
+from magis.backend.codegen import generate
+from magis.backend.program import lower
+from magis.backend.runtime import bind
 from magis.cost.op_timing import synchronizer
-from magis.ir.graph import Graph, Node, Ref, Role, Signature, TensorMeta, map_refs
+from magis.ir.graph import Graph, Node, Ref, Role, Signature, TensorMeta
 
 #: instructions of the program that measures the runtime's own costs, and how many
 #: times it runs (the fastest run counts).
@@ -29,10 +30,10 @@ OVERHEAD_ROUNDS = 30
 
 @dataclass(frozen=True)
 class RuntimeCosts:
-    """What the magis runtime (:func:`magis.backend.runtime.execute`) spends beyond the
-    operators' profiled times: ``instruction_s`` per instruction (its loop, storing the
-    result, freeing the values that died), ``getitem_s`` per ``getitem`` instruction
-    (mapping its argument and picking the element, which no profile times),
+    """What the generated step (:mod:`magis.backend.codegen`) spends beyond the operators'
+    profiled times: ``instruction_s`` per instruction (storing the result, freeing the
+    values that died), ``getitem_s`` per ``getitem`` instruction (picking the element,
+    which no profile times),
     and what binding the step's inputs costs (:func:`magis.backend.runtime.bind`):
     ``lookup_s`` per submodule on the way to a parameter or buffer, ``input_s`` per
     input bound (:func:`binding_seconds`)."""
@@ -78,10 +79,9 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
     """The runtime's own costs on ``device``, measured in a few milliseconds.
 
     A program of :data:`OVERHEAD_PROGRAM_OPS` ``neg`` instructions on one element, each
-    result freed by the next, runs through the runtime; the same calls, arguments
-    mapped as the profiler maps them, run in a plain loop; the difference per
-    instruction (never below zero) is ``instruction_s``. A plain loop of ``getitem``
-    calls with mapped arguments gives ``getitem_s``. Binding ``n`` parameters one
+    result freed by the next, runs as generated code; the same calls run in a plain loop,
+    as the profiler calls an operator; the difference per instruction (never below zero)
+    is ``instruction_s``. A plain loop of subscripts gives ``getitem_s``. Binding ``n`` parameters one
     submodule deep, then two deep, gives ``lookup_s`` and ``input_s`` (two equations,
     two unknowns). Each is the fastest of ``rounds`` runs: a busy
     moment only slows some runs down.
@@ -92,21 +92,17 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
     for i in range(n):
         previous = Ref(nodes[-1].name)
         nodes.append(Node(f"neg{i}", torch.ops.aten.neg.default, (previous,), outputs=(one,), aliases=(None,)))
-    program = lower(Graph(tuple(nodes), outputs=(nodes[-1].name,)))
-    env: dict[str, Any] = {"x": torch.ones(1, device=device), "pair": (None, None)}
-
-    neg_args, getitem_args = (Ref("x"),), (Ref("pair"), 1)  # built once, as the runtime's instructions are
-
-    def value(ref: Ref) -> Any:
-        return env[ref.name]
+    step = generate(lower(Graph(tuple(nodes), outputs=(nodes[-1].name,))))
+    x, pair = torch.ones(1, device=device), (None, None)
+    neg_args = (x,)  # built once, as the profiler's calls are
 
     def calls() -> None:
         for _ in range(n):
-            torch.ops.aten.neg.default(*map_refs(neg_args, value))
+            torch.ops.aten.neg.default(*neg_args)
 
     def getitems() -> None:
         for _ in range(n):
-            operator.getitem(*map_refs(getitem_args, value))
+            pair[1]
 
     def binding(depth: int) -> Callable[[], Any]:
         """Binding ``n`` parameters, each held ``depth`` submodules deep."""
@@ -121,7 +117,7 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
         return lambda: bind(graph, holder, ())
 
     with torch.no_grad():
-        runtime_s = _block_seconds(lambda: execute(program, {"x": env["x"]}), device, rounds)
+        runtime_s = _block_seconds(lambda: step({"x": x}), device, rounds)
         calls_s = _block_seconds(calls, device, rounds)
         getitem_s = _block_seconds(getitems, device, rounds)
         one_deep_s = _block_seconds(binding(depth=1), device, rounds)

@@ -20,7 +20,7 @@ import torch
 
 from magis.cost.local_device import device_tag
 
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4  # 4: steps timed as generated code (magis.backend.codegen)
 CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
 
 

@@ -33,7 +33,10 @@ import torch
 from magis.analysis.axes import scale_sizes
 from magis.analysis.dgraph import DGraph, build_dgraph
 from magis.analysis.ftrans import FissionBoundary, FTrans, plan_fission, reach
-from magis.backend.runtime import Program, bind_arguments, execute, lower
+from magis.backend.codegen import part_of
+from magis.backend.interpreter import execute
+from magis.backend.program import Program, lower
+from magis.backend.runtime import bind_arguments
 from magis.cost.latency import CostModel
 from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.cost.region_latency import merge_graph_of, region_seconds
@@ -166,7 +169,7 @@ class FissionRegion:
     """The target of a fissioned region node: run one part's graph ``parts`` times.
 
     Calling it with the region's inputs slices each input along ``slice_dims`` (a view,
-    nothing copied), runs the part's graph with :func:`magis.backend.runtime.execute`
+    nothing copied), runs the part's graph with :func:`magis.backend.interpreter.execute`
     (which frees every intermediate after its last use), and writes each of the part's
     outputs into its result as soon as it is made: into its slice along
     ``concat_dims``, or added in (``None``), as autograd adds a gradient into
@@ -202,8 +205,13 @@ class FissionRegion:
         return replace(self.graph, outputs=())
 
     @cached_property
-    def program(self) -> Program:
+    def part_program(self) -> Program:
+        """One part lowered for the runtime (its generated loop, :mod:`magis.backend.codegen`)."""
         return lower(self.streaming)
+
+    @property
+    def part_outputs(self) -> tuple[str, ...]:
+        return self.graph.outputs
 
     @cached_property
     def part_profile(self) -> MemoryProfile:
@@ -231,12 +239,10 @@ class FissionRegion:
             for i in slots.get(name, ()):
                 result = results[i]
                 if result is None:
-                    meta = self.output_metas[i]
-                    result = torch.empty_strided(meta.shape, strides[i], dtype=meta.dtype, device=piece.device)
-                    results[i] = result
+                    result = results[i] = self.empty_result(i, strides, piece)
                 dim = self.concat_dims[i]
                 if dim is not None:
-                    _part_of(result, dim, k, self.parts).copy_(piece)
+                    part_of(result, dim, k, self.parts).copy_(piece)
                 elif k == 0:
                     result.copy_(piece)
                 else:
@@ -244,14 +250,18 @@ class FissionRegion:
 
         for k in range(self.parts):
             env = {
-                name: _part_of(x, dim, k, self.parts)
-                for name, x, dim in zip(self.graph.inputs, inputs, self.slice_dims)
+                name: part_of(x, dim, k, self.parts) for name, x, dim in zip(self.graph.inputs, inputs, self.slice_dims)
             }
             for name in set(self.graph.outputs) & set(self.graph.inputs):  # passed through
                 merge(name, env[name], k)
-            execute(self.program, env, emit=lambda name, value, k=k: merge(name, value, k))
+            execute(self.part_program, env, emit=lambda name, value, k=k: merge(name, value, k))
             del env  # the part's tensors die here, before the next part starts
         return tuple(results)  # type: ignore[arg-type]
+
+    def empty_result(self, index: int, strides: tuple[tuple[int, ...], ...], like: torch.Tensor) -> torch.Tensor:
+        """Result ``index``, not yet written, on the device of ``like`` (a part's piece of it)."""
+        meta = self.output_metas[index]
+        return torch.empty_strided(meta.shape, strides[index], dtype=meta.dtype, device=like.device)
 
     def result_strides(self, inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], ...]:
         """The strides of the unsplit sub-graph's outputs for inputs laid out as ``inputs``,
@@ -285,14 +295,6 @@ def _meta_strides(graph: Graph, inputs: tuple[torch.Tensor, ...]) -> tuple[tuple
             args, kwargs = bind_arguments(node, values.__getitem__, meta)
             values[node.name] = node.target(*args, **kwargs)
     return tuple(tuple(values[name].stride()) for name in graph.outputs)
-
-
-def _part_of(tensor: torch.Tensor, dim: int | None, k: int, parts: int) -> torch.Tensor:
-    """Part ``k`` of ``parts`` of ``tensor`` along ``dim`` (a view), or the whole tensor."""
-    if dim is None:
-        return tensor
-    size = tensor.shape[dim] // parts
-    return tensor.narrow(dim, k * size, size)
 
 
 # ------------------------------------------------------------------ Eqs. (1)-(2)

@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from magis.backend.runtime import StepResult, lower, run_program
+from magis.backend.program import lower
+from magis.backend.runtime import StepResult, run_program
 from magis.cost.latency import estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.optimizer import start_states, with_optimizer

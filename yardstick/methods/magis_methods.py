@@ -10,6 +10,9 @@
   magis sees it): the lowest simulated latency within it, or the lowest peak when nothing fits
   (``magis-optimize@0.5``). Its latencies are priced by the local device's profiled cost model
   for tiny/small presets and by ``h200`` for paper (:func:`search_model`).
+- ``magis-optimize-interpreted``, ``magis-optimize-compiled`` (opt-in) — ``magis-optimize``'s plan
+  run by the interpreter, and with its segments compiled by Inductor (``compile=True``), beside
+  its own generated code (issue #30).
 - ``magis-optimize-lat`` — the same search in latency-limit mode: the lowest simulated peak within
   ``L`` times the captured step's simulated latency, one variant per limit of
   :data:`~yardstick.methods.method_registry.LATENCY_LIMITS` (``magis-optimize-lat@1.1``; MAGIS Fig. 9).
@@ -21,6 +24,7 @@ from typing import Any
 
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
+from magis.plan import PlanRuntime
 from magis.schedule import schedule
 from magis.search.m_optimizer import DEFAULT_MAX_STATES, Mode, Objective, SearchResult, m_optimize
 from magis.search.single_fission import SingleFission, choose_within, single_fission_options
@@ -122,9 +126,11 @@ def _fission(subject: Subject, budget: float) -> Simulated:
     return chosen.graph, chosen.order
 
 
-def _optimizer(name: str, description: str, mode: Mode, **limits: Any) -> Method:
+def _optimizer(
+    name: str, description: str, mode: Mode, runtime: PlanRuntime = "generated", opt_in: bool = False, **limits: Any
+) -> Method:
     """The M-Optimizer in ``mode`` as a method: a variant's budget or latency limit (``limits``
-    say which) is its limit; its row's details are the search's."""
+    say which) is its limit; its row's details are the search's; its plan runs as ``runtime``."""
 
     def best(subject: Subject, limit: float) -> Simulated:
         state = optimized(subject, limit, mode).best
@@ -135,7 +141,7 @@ def _optimizer(name: str, description: str, mode: Mode, **limits: Any) -> Method
         assert limit is not None
         return search_details(optimized(subject, limit, mode), *captured_simulated(subject))
 
-    return Method(name, description, MAGIS, *planned_steps(best), details=details, **limits)
+    return Method(name, description, MAGIS, *planned_steps(best, runtime), details=details, opt_in=opt_in, **limits)
 
 
 register(Method("magis-captured", "magis runtime, captured order", MAGIS, _captured_real, eager_simulate))
@@ -154,6 +160,26 @@ register(
         "magis-optimize",
         "magis' M-Optimizer (MAGIS Alg. 3): lowest simulated latency within budget x the captured step's peak",
         "memory",
+        budgeted=True,
+    )
+)
+register(
+    _optimizer(
+        "magis-optimize-interpreted",
+        "magis-optimize's plan run by the interpreter, instruction by instruction",
+        "memory",
+        runtime="interpreted",
+        opt_in=True,
+        budgeted=True,
+    )
+)
+register(
+    _optimizer(
+        "magis-optimize-compiled",
+        "magis-optimize's plan with its segments of aten ops compiled by Inductor (compile=True)",
+        "memory",
+        runtime="compiled",
+        opt_in=True,
         budgeted=True,
     )
 )

@@ -9,10 +9,12 @@ from contextlib import AbstractContextManager
 import torch
 
 from magis.backend.eager import eager_step
-from magis.backend.runtime import StepResult, lower, run_program
+from magis.backend.program import lower
+from magis.backend.runtime import StepResult, run_program
 from magis.frontend.capture import CaptureError, LossFn
 from magis.ir.graph import Graph
 from magis.models import Built
+from magis.plan import PlanRuntime, generated_step
 from yardstick.methods.method_registry import MethodUnavailable, Runnable, Simulated
 from yardstick.methods.subject import Subject
 from yardstick.peers.accumulation import accumulated_graph, gradient_differences
@@ -37,27 +39,34 @@ def eager_runnable(built: Built, subject: Subject, model: torch.nn.Module | None
     return Runnable(step, built, note)
 
 
-def runtime_runnable(subject: Subject, order: Sequence[str], graph: Graph | None = None) -> Runnable:
-    """``graph`` (default: the captured one) run by the magis runtime in ``order``."""
+def runtime_runnable(
+    subject: Subject, order: Sequence[str], graph: Graph | None = None, runtime: PlanRuntime = "generated"
+) -> Runnable:
+    """``graph`` (default: the captured one) run by the magis runtime in ``order``, as ``runtime``
+    runs a plan (:data:`magis.plan.PLAN_RUNTIMES`: generated code by default)."""
     program = lower(subject.graph if graph is None else graph, order)
+    run = "interpreted" if runtime == "interpreted" else generated_step(program, compile=runtime == "compiled")
+    if runtime == "compiled":  # compile now: what the compiler holds while it works is not the step's memory
+        with torch.random.fork_rng():
+            run_program(program, subject.built.model, subject.inputs, apply_buffer_updates=False, runtime=run)
 
     def step(scope: AbstractContextManager) -> StepResult:
         with scope:
-            return run_program(program, subject.built.model, subject.inputs)
+            return run_program(program, subject.built.model, subject.inputs, runtime=run)
 
     return Runnable(step, subject.built)
 
 
 def planned_steps(
-    plan: Callable[[Subject, float], Simulated],
+    plan: Callable[[Subject, float], Simulated], runtime: PlanRuntime = "generated"
 ) -> tuple[Callable[[Subject, float | None], Runnable], Callable[[Subject, float | None], Simulated]]:
     """``real`` and ``simulate`` of a method whose ``plan`` at a variant's budget or limit is a graph
-    and order: run by the magis runtime, and simulated as they are."""
+    and order: run by the magis runtime (as ``runtime``), and simulated as they are."""
 
     def real(subject: Subject, limit: float | None) -> Runnable:
         assert limit is not None
         graph, order = plan(subject, limit)
-        return runtime_runnable(subject, order, graph)
+        return runtime_runnable(subject, order, graph, runtime)
 
     def simulate(subject: Subject, limit: float | None) -> Simulated:
         assert limit is not None

@@ -1,0 +1,254 @@
+"""Generated code (issue #30): a plan's step as straight-line Python, regions as loops.
+
+Every transformation a plan holds survives codegen (asserted on the generated source)
+and runs as the interpreter and eager PyTorch do, within the simulated peak; every tiny
+workload's plan gives eager's loss and gradients in every runtime, within its limit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import magis
+from magis.analysis.ftrans import FTrans
+from magis.analysis.ftree import build_ftree, next_divisor
+from magis.backend.codegen import GeneratedStep, generate
+from magis.backend.eager import (
+    GRADIENT_TOLERANCE,
+    buffers_snapshot,
+    compare_gradients,
+    eager_step,
+    restore_buffers,
+)
+from magis.backend.meter import LiveTensorMeter, resident_tensors
+from magis.backend.program import lower
+from magis.backend.runtime import run_program
+from magis.cost.device_profiles import DEVICE_PROFILES
+from magis.cost.latency import AnalyticCostModel, estimate_latency, fused_with, fusible
+from magis.cost.memory import simulate_memory
+from magis.frontend.capture import capture
+from magis.ir.graph import Graph
+from magis.models import WORKLOADS
+from magis.plan import PLAN_RUNTIMES, InfeasibleLimit, generated_step
+from magis.rules.fission import FissionRegion, fission
+from magis.rules.remat import remat
+from magis.rules.separable import make_separable
+from magis.rules.swap import swap
+
+H100 = AnalyticCostModel(DEVICE_PROFILES["h100"])
+
+
+class Tower(nn.Module):
+    """A user's model: two residual blocks with layer norm and GELU, a regression head."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x).squeeze(-1)
+
+
+def mse(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+@pytest.fixture(scope="module")
+def tower() -> tuple[nn.Module, tuple[torch.Tensor], Graph]:
+    torch.manual_seed(0)
+    model = Tower().double()
+    batch = (torch.randn(64, 32, dtype=torch.float64),)
+    graph = make_separable(capture(model, batch, mse))
+    return model, batch, graph
+
+
+def runs_like_eager(model: nn.Module, batch: tuple, graph: Graph, order: tuple[str, ...]) -> Steps:
+    """Run ``graph`` in ``order`` as generated code: the same loss and gradients as the
+    interpreter (bitwise: the same kernels in the same order) and eager PyTorch (float64
+    round-off), the measured peak within 2% of the simulated one; then compiled, eager's
+    loss and gradients within float64 round-off and the peak no higher. Returns both steps."""
+    program = lower(graph, order)
+    steps = Steps(generate(program), generated_step(program, compile=True))
+    snapshot = buffers_snapshot(model)
+    with LiveTensorMeter(resident_tensors(model, batch)) as meter:
+        generated = run_program(program, model, batch, runtime=steps.generated)
+    interpreted = run_program(program, model, batch, runtime="interpreted")
+    run_program(program, model, batch, runtime=steps.compiled)  # the first call compiles
+    with LiveTensorMeter(resident_tensors(model, batch)) as compiled_meter:
+        compiled = run_program(program, model, batch, runtime=steps.compiled)
+    restore_buffers(model, snapshot)
+    reference = eager_step(model, batch, mse)
+    assert torch.equal(generated.loss, interpreted.loss)
+    assert all(torch.equal(generated.gradients[p], interpreted.gradients[p]) for p in interpreted.gradients)
+    for result in (generated, compiled):
+        comparison = compare_gradients(
+            {**reference.gradients, "<loss>": reference.loss}, {**result.gradients, "<loss>": result.loss}
+        )
+        assert comparison.same_names and comparison.max_error < 1e-10, comparison
+    simulated = simulate_memory(graph, order).peak
+    assert abs(meter.peak_bytes - simulated) <= 0.02 * simulated, (meter.peak_bytes, simulated)
+    assert compiled_meter.peak_bytes <= 1.02 * simulated, (compiled_meter.peak_bytes, simulated)
+    assert steps.compiled.segments and all(s.fallback is None for s in steps.compiled.segments)
+    return steps
+
+
+@dataclass(frozen=True)
+class Steps:
+    generated: GeneratedStep
+    compiled: GeneratedStep
+
+    def compiled_ops(self) -> set[str]:
+        """The names of the nodes the compiled segments run."""
+        return {n.name for s in self.compiled.segments for n in s.module.graph.nodes if n.op == "call_function"}
+
+
+def test_a_fissioned_region_becomes_a_loop_over_its_parts(tower):
+    model, batch, graph = tower
+    tree = build_ftree(graph, simulate_memory(graph, [n.name for n in graph.nodes]))
+    candidate = max(tree.candidates, key=lambda c: len(c.nodes))
+    parts = next_divisor(candidate.length, 2)
+    split = fission(graph, FTrans(candidate.axes, parts))
+    (region,) = [n for n in split.nodes if isinstance(n.target, FissionRegion)]
+    steps = runs_like_eager(model, batch, split, tuple(n.name for n in split.nodes))
+    for source in (steps.generated.source, steps.compiled.source):  # the region's loop stays when compiled
+        loop = re.search(rf"^(\s+)for k\w* in range\({parts}\):$", source, re.MULTILINE)
+        assert loop, source
+        body = source[loop.end() :].split("\n" + loop.group(1) + region.name)[0]
+        # every op of one part runs inside the loop, each part's piece is put in place there
+        for node in region.target.graph.nodes:
+            if not node.is_input and node.op_name.startswith("aten."):
+                assert node.op_name in body, node.op_name
+        assert ".copy_(" in body
+
+
+def test_a_swap_becomes_its_two_transfers(tower):
+    model, batch, graph = tower
+    candidate = max(swap(graph, model=H100), key=lambda c: c.saving)
+    store, load = (n.name for n in candidate.graph.nodes if n.op_name in ("store", "load"))
+    steps = runs_like_eager(model, batch, candidate.graph, candidate.order)
+    for source in (steps.generated.source, steps.compiled.source):
+        assert re.search(rf"= _transfer\(streams, '{store}', ", source), source
+        assert re.search(rf"= _transfer\(streams, '{load}', ", source), source
+        assert source.index(f"'{store}'") < source.index(f"'{load}'")
+
+
+def test_a_recomputation_runs_its_ops_twice(tower):
+    model, batch, graph = tower
+    candidate = max(remat(graph), key=lambda c: c.saving)
+    added = set(candidate.graph.index) - set(graph.index)
+    assert added
+    steps = runs_like_eager(model, batch, candidate.graph, candidate.order)
+    compiled = steps.compiled_ops()
+    for name in added:  # each copy is an op of its own, generated or in a compiled segment
+        assert re.search(rf"^\s+{name} = aten\.", steps.generated.source, re.MULTILINE), name
+        assert name in compiled or re.search(rf"^\s+{name} = aten\.", steps.compiled.source, re.MULTILINE), name
+
+
+def in_float64(built):
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in built.example_inputs)
+    return built.model.double(), inputs
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_tiny_workload_plan_runs_like_eager_in_every_runtime(name):
+    built = WORKLOADS[name].build("tiny", seed=0)
+    model, batch = in_float64(built)
+    try:
+        plan = magis.optimize(
+            model, batch, built.loss_fn, memory_limit=0.8, time_budget=3, device="h100", verify=False, progress=False
+        )
+    except InfeasibleLimit as err:  # the best plan found still runs as it was simulated
+        plan = err.best or magis.optimize(
+            model, batch, built.loss_fn, latency_limit=1.1, time_budget=3, device="h100", verify=False, progress=False
+        )
+    torch.manual_seed(5)
+    snapshot = buffers_snapshot(model)
+    reference = eager_step(model, batch, built.loss_fn)
+    for runtime in PLAN_RUNTIMES:
+        plan.runtime = runtime
+        if runtime == "compiled":  # the first call compiles: measure the second
+            restore_buffers(model, snapshot)
+            plan(*batch)
+        restore_buffers(model, snapshot)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with LiveTensorMeter(resident_tensors(model, batch)) as meter:
+            loss = plan(*batch)
+        got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        comparison = compare_gradients(
+            {**reference.gradients, "<loss>": reference.loss}, {**got, "<loss>": loss.detach()}
+        )
+        # float64 where the model computes in it (the language models' attention upcasts to float32):
+        # generated code runs eager's kernels, compiled ones fuse them and round otherwise
+        tolerance = 1e-9 if runtime != "compiled" else GRADIENT_TOLERANCE[torch.float64]
+        assert comparison.same_names and comparison.max_error < tolerance, (runtime, comparison)
+        assert meter.peak_bytes <= 1.02 * plan.peak_bytes, (runtime, meter.peak_bytes, plan.peak_bytes)
+    assert plan.report().runtime["fallbacks"] == []
+    model.zero_grad(set_to_none=True)
+
+
+def test_an_unknown_runtime_is_refused_by_name(tower):
+    model, batch, _ = tower
+    plan = magis.optimize(model, batch, mse, memory_limit=0.9, time_budget=1, device="h100", progress=False)
+    plan.runtime = "jit"
+    with pytest.raises(ValueError, match="runtime 'jit' is not one of generated, interpreted"):
+        plan(*batch)
+
+
+class Gated(nn.Module):
+    """A gated feed-forward block (SwiGLU): the gate's SiLU is saved for a pointwise reader."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = (
+            nn.Linear(width, 4 * width),
+            nn.Linear(width, 4 * width),
+            nn.Linear(4 * width, width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_the_fusion_model_makes_recomputing_pointwise_ops_nearly_free(tower):
+    """Priced as compiled (issue #30), a chain of pointwise ops is one kernel that reads and
+    writes only its ends: the step is cheaper, an op computed inside a kernel already open
+    costs only the bytes it moves in or out, and recomputing a pointwise op for a pointwise
+    reader costs far less than unfused, where it is a kernel of its own writing a whole tensor."""
+    _, _, graph = tower
+    plain, fused = H100, AnalyticCostModel(H100.profile, fused=True)
+    order = [n.name for n in graph.nodes]
+    assert estimate_latency(graph, order, fused).total_s < estimate_latency(graph, order, plain).total_s
+    inner = [n.name for n in graph.nodes if any(fused_with(graph[r], n) for r in n.inputs)]
+    assert inner
+    for name in inner:
+        assert fused.node_seconds(graph, name) < plain.node_seconds(graph, name)
+
+    torch.manual_seed(0)
+    gated = capture(Gated(), (torch.randn(256, 32),), mse)
+    order = [n.name for n in gated.nodes]
+    cheap = []
+    for candidate in remat(gated):
+        copies = [candidate.graph[n] for n in set(candidate.graph.index) - set(gated.index)]
+        readers = [candidate.graph[r] for c in copies for r in candidate.graph.consumers[c.name]]
+        if all(fusible(c) for c in copies) and all(fusible(r) for r in readers):
+            cheap.append(candidate)
+    assert cheap
+    for candidate in cheap:
+        extra = {
+            model: estimate_latency(candidate.graph, candidate.order, model).total_s
+            - estimate_latency(gated, order, model).total_s
+            for model in (plain, fused)
+        }
+        assert extra[fused] < 0.5 * extra[plain], (candidate.description, extra)
