@@ -28,7 +28,7 @@ Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane
     python experiments/optimize.py [--models bert-base,unet] [--presets paper,small]
                              [--peers eager,accumulate,compile,...] [--budget 1 0.5 0.1]
                              [--latency-limits 1.05 1.10] [--memory-limits 0.8 0.6 0.4]
-                             [--runtimes interpreted,compiled]
+                             [--runtimes interpreted,compiled] [--repeats 5] [--max-repeats 21]
                              [--peers-from results/optimize] [--out results/optimize]
 
 Simulated peers are deterministic: ``--peers-from DIR`` takes the peers' rows (and
@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "interpreted, compiled (issue #30; measured presets)",
     )
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds of measured runs, at least")
+    parser.add_argument("--max-repeats", type=int, default=None, help="timed rounds of measured runs, at most")
     parser.add_argument("--device", default="h200", help="device profile of simulated latencies")
     parser.add_argument("--peers-from", type=Path, default=None, metavar="DIR", help="reuse simulated peers' rows")
     parser.add_argument("--out", type=Path, default=Path("results/optimize"))
@@ -118,7 +119,7 @@ def run_one(workload: str, preset: str, args: argparse.Namespace) -> Comparison:
         args.budget,
         simulate=simulated,
         device=args.device if simulated else None,
-        rounds=Rounds(args.repeats),
+        rounds=Rounds(args.repeats, max_repeats=args.max_repeats),
         progress=lambda message: log(f"{workload} ({preset}): {message}"),
     )
     stem = f"{workload}-{preset}"
