@@ -47,7 +47,7 @@ from driver import workloads_and_presets, write_json
 from matplotlib.figure import Figure
 
 from magis.console import format_table, log
-from magis.models import WORKLOADS
+from magis.models import WORKLOADS, ZOO
 from yardstick.compare import Comparison, best_within, compare
 from yardstick.methods import DEFAULT_BUDGETS, FULL_STEP_REFERENCE, MAGIS, METHODS, magis_methods
 from yardstick.methods.full_step import MAGIS_STEP
@@ -68,7 +68,11 @@ MIB = 2**20
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
+    parser.add_argument(
+        "--models",
+        default=",".join(WORKLOADS),
+        help="comma-separated workloads of `magis models` (default: the seven of MAGIS)",
+    )
     parser.add_argument("--presets", default="paper", help="paper (simulated), small or tiny (measured)")
     parser.add_argument("--methods", default=",".join(PEERS), help="comma-separated full-step peers (default: all)")
     parser.add_argument("--budget", type=float, nargs="+", default=list(DEFAULT_BUDGETS), metavar="B")
@@ -218,7 +222,7 @@ def plot_all(comparisons: list[Comparison], entries: list[dict[str, Any]], path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    chosen = workloads_and_presets(args.models, args.presets, WORKLOADS, PRESETS)
+    chosen = workloads_and_presets(args.models, args.presets, ZOO, PRESETS)
     if chosen is None:
         return 2
     models, presets = chosen

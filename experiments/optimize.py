@@ -55,7 +55,7 @@ from typing import Any
 from driver import workloads_and_presets
 
 from magis.console import format_table, log
-from magis.models import WORKLOADS
+from magis.models import WORKLOADS, ZOO
 from yardstick.compare import Comparison, Row, best_within, compare
 from yardstick.methods import DEFAULT_BUDGETS, LATENCY_LIMITS, MAGIS, METHODS, PEER
 from yardstick.plot import plot_tradeoff
@@ -72,7 +72,11 @@ REPEATS = 5
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
+    parser.add_argument(
+        "--models",
+        default=",".join(WORKLOADS),
+        help="comma-separated workloads of `magis models` (default: the seven of MAGIS)",
+    )
     parser.add_argument("--presets", default="paper", help="paper (simulated), small or tiny (measured)")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers (default: all but opt-in)")
     parser.add_argument("--budget", type=float, nargs="+", default=list(DEFAULT_BUDGETS), metavar="B")
@@ -210,7 +214,7 @@ def _point(row: Row | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    chosen = workloads_and_presets(args.models, args.presets, WORKLOADS, PRESETS)
+    chosen = workloads_and_presets(args.models, args.presets, ZOO, PRESETS)
     if chosen is None:
         return 2
     models, presets = chosen

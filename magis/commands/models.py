@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from magis.commands.common import emit
-from magis.models import WORKLOADS
+from magis.models import ZOO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,8 +14,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     rows = [
-        {"model": w.name, "description": w.description, **{p: _sizes(c) for p, c in w.presets.items()}}
-        for w in WORKLOADS.values()
+        {
+            "model": w.name,
+            "description": w.description,
+            "step": "inference" if w.inference else "training",
+            **{p: _sizes(c) for p, c in w.presets.items()},
+        }
+        for w in ZOO.values()
     ]
     emit({"workloads": rows}, args.json)
     return 0

@@ -1,4 +1,4 @@
-"""Workloads of the MAGIS evaluation (§7.1) and random graphs for scheduler work (§7.3)."""
+"""Workloads of the MAGIS evaluation (§7.1) and of its seed systems, and random graphs for scheduler work (§7.3)."""
 
 from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph, random_training_graph
 from magis.models.unet import UNet, UNetPlusPlus
@@ -9,14 +9,14 @@ from magis.models.workloads import (
     HFTask,
     SegmentationTask,
     Workload,
-    build_workload,
     fake_if,
-    get_workload,
 )
+from magis.models.zoo import ZOO, build_workload, get_workload
 
 __all__ = [
     "PRESETS",
     "WORKLOADS",
+    "ZOO",
     "Built",
     "HFTask",
     "SegmentationTask",

@@ -75,6 +75,8 @@ class Workload:
     description: str
     presets: dict[str, dict]
     builder: Callable[[dict, int], Built] = field(repr=False, compare=False)
+    inference: bool = False
+    """A forward pass in eval mode (Serenity's networks): ``model(*inputs)`` is the output, not a loss."""
 
     @property
     def has_sequence(self) -> bool:
@@ -82,8 +84,9 @@ class Workload:
         return all("seq" in sizes for sizes in self.presets.values())
 
     def build(self, preset: str = "tiny", batch: int | None = None, seed: int = 0, *, seq: int | None = None) -> Built:
-        """Build the model (train mode) and example inputs of ``preset``, optionally at another batch
-        size or (a model that takes token sequences: :attr:`has_sequence`) another sequence length.
+        """Build the model (train mode; eval mode for an :attr:`inference` workload) and example
+        inputs of ``preset``, optionally at another batch size or (a model that takes token
+        sequences: :attr:`has_sequence`) another sequence length.
 
         A model built with ``seq`` is configured for sequences of exactly that length: its
         ``max_positions`` (the learned position table of BERT and GPT-Neo, GPT-Neo's causal
@@ -103,7 +106,7 @@ class Workload:
             sizes = {**sizes, "seq": seq, **({"max_positions": seq} if "max_positions" in sizes else {})}
         torch.manual_seed(seed)
         built = self.builder(sizes, batch)
-        built.model.train()
+        built.model.train(not self.inference)
         return built
 
     def sized(self, dim: str, preset: str = "paper") -> SizedWorkload:
@@ -114,7 +117,7 @@ class Workload:
         if dim == "sequence" and not self.has_sequence:
             raise self._no_sequence()
         self._preset(preset)  # an unknown preset fails here, not at the first size
-        return SizedWorkload(self.name, dim, preset)
+        return SizedWorkload(self, dim, preset)
 
     def _no_sequence(self) -> ValueError:
         return ValueError(
@@ -130,15 +133,15 @@ class Workload:
 @dataclass(frozen=True)
 class SizedWorkload:
     """A built-in workload at ``preset`` as a function of one size (:meth:`Workload.sized`); it
-    pickles by name, so another process can build it too."""
+    pickles (its builder by name), so another process can build it too."""
 
-    name: str
+    workload: Workload
     dim: str
     preset: str
 
     def __call__(self, n: int) -> tuple:
         """The model and its inputs at size ``n``, on fake tensors: ``(model, inputs)``."""
-        workload = get_workload(self.name)
+        workload = self.workload
         with fake_if(True):
             built = workload.build(self.preset, batch=n) if self.dim == "batch" else workload.build(self.preset, seq=n)
         assert built.loss_fn is None, "every workload's model returns its loss"
@@ -372,7 +375,7 @@ _BTLM_3B = dict(vocab=50257, hidden=2560, layers=32, heads=32, intermediate=6826
 _TINY_TRANSFORMER = dict(hidden=32, layers=2, heads=2, intermediate=64)
 _TINY_LM = dict(_TINY_TRANSFORMER, vocab=256, max_positions=64)
 
-WORKLOADS: dict[str, Workload] = {
+WORKLOADS: dict[str, Workload] = {  # the seven of the MAGIS evaluation; the zoo adds the seeds' (magis.models.zoo)
     w.name: w
     for w in (
         Workload(
@@ -451,14 +454,6 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def get_workload(name: str) -> Workload:
-    """The workload called ``name``; a ValueError lists the valid names otherwise."""
-    try:
-        return WORKLOADS[name]
-    except KeyError:
-        raise ValueError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}") from None
-
-
 @contextlib.contextmanager
 def fake_if(enabled: bool) -> Iterator[FakeTensorMode | None]:
     """Build under ``FakeTensorMode`` (no real memory) when ``enabled``."""
@@ -468,10 +463,3 @@ def fake_if(enabled: bool) -> Iterator[FakeTensorMode | None]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         yield mode
-
-
-def build_workload(name: str, preset: str, batch: int | None, seed: int = 0) -> Built:
-    """The workload ``name`` built at ``preset``: real tensors for tiny and small, fake ones for paper."""
-    workload = get_workload(name)
-    with fake_if(preset == "paper"):
-        return workload.build(preset, batch=batch, seed=seed)
