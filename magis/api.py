@@ -3,7 +3,8 @@
 The step is the user's, as they write it (docs/design.md, "The user's side of the
 contract"): the batch as their DataLoader yields it (a tuple of positional arguments,
 a mapping of keyword arguments, or one tensor) and ``loss_fn(output)`` or their own
-``training_step(model, *batch)`` (:mod:`magis.frontend.step`).
+``training_step(model, *batch)`` (:mod:`magis.frontend.step`); or, with
+``optimize(..., inference=True)``, the model's forward alone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from magis.backend.runtime import Runtime
 from magis.backend.verify import Verification, forked_rng, run_both, verify_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
-from magis.frontend.capture import capture, capture_timed
+from magis.frontend.capture import capture, capture_forward, capture_timed
 from magis.frontend.conditions import Conditions, warn_if_evaluating
 from magis.frontend.grad_seed import with_grad_seed
 from magis.frontend.optimizer import unplanned_reason, with_optimizer
@@ -143,9 +144,19 @@ def measure_against_eager(
     loss counts as one more gradient) and the parameters whose gradient only one of
     the two computed: ``missing_gradients`` (eager has one, magis not: that parameter
     would never train) and ``extra_gradients``. With any of those, ``max_grad_error``
-    is infinite. The model's buffers, gradients and the generators are left as before.
+    is infinite. The model's buffers, gradients and the generators are left as before. For an
+    inference graph, eager's forward beside the graph's: both peaks and ``max_output_error``.
     """
     both = run_both(graph, order, model, batch, UserStep(loss_fn, training_step), seed, measure=True, runtime=runtime)
+    if graph.signature.inference:
+        outputs = compare_gradients(
+            *({f"output {i}": t for i, t in enumerate(r.outputs)} for r in (both.reference, both.result))
+        )
+        return {
+            "measured_peak_bytes": both.measured_peak_bytes,
+            "eager_peak_bytes": both.eager_peak_bytes,
+            "max_output_error": outputs.max_error if outputs.same_names else float("inf"),
+        }
     comparison = compare_gradients(
         {**both.reference.gradients, "<loss>": both.reference.loss},
         {**both.result.gradients, "<loss>": both.result.loss},
@@ -176,6 +187,7 @@ def optimize(
     optimizer: torch.optim.Optimizer | None = None,
     max_grad_norm: float | None = None,
     compile: bool = False,
+    inference: bool = False,
 ) -> Plan:
     """Capture the training step and search for the plan MAGIS Algorithm 3 finds best.
 
@@ -224,12 +236,23 @@ def optimize(
     the first call; ``plan.runtime`` is ``"compiled"``), and an analytic ``device`` profile then
     prices chains of pointwise ops as the fused kernels they become
     (:attr:`~magis.cost.latency.AnalyticCostModel.fused`), the captured step's latency included.
+
+    ``inference=True`` plans the forward alone (:func:`~magis.frontend.capture.capture_forward`:
+    no gradients, the submodules in their modes, so call ``model.eval()`` first for evaluation):
+    ``plan(*batch)`` returns the model's output, as ``with torch.no_grad(): model(*batch)``
+    would. The same search plans it (operator order, fission, identity rewrites, swaps); with
+    no backward nothing is saved for one, so only what the forward itself reads twice can be
+    recomputed. It takes no ``loss_fn``, ``training_step``, ``optimizer`` or ``max_grad_norm``.
     """
     if not isinstance(compile, bool):
         raise ValueError(f"compile is True or False, got {compile!r}")
+    if not isinstance(inference, bool):
+        raise ValueError(f"inference is True or False, got {inference!r}")
     model = user_model(model)
     step = UserStep(loss_fn, training_step)  # bad input fails before the capture
     spec = BatchSpec.of(batch)
+    if inference:
+        _check_inference(loss_fn, training_step, optimizer, max_grad_norm)
     _check_optimizer(model, optimizer, max_grad_norm)
     if latency_limit is not None and (isinstance(latency_limit, bool) or not latency_limit >= 1.0):
         raise ValueError(f"latency_limit is a ratio to the captured step's latency, at least 1; got {latency_limit!r}")
@@ -240,12 +263,19 @@ def optimize(
     device = device or ("h200" if fake else _local_device(model))
     # the captured step is timed, the rest estimated
     latency_model = cost_model(device, estimate_unseen=True, progress=progress, fused=compile)
-    warn_if_evaluating(model)
+    if not inference:
+        warn_if_evaluating(model)
     conditions = Conditions.of(model)
+    output_spec = None
     with forked_rng(model):
         torch.manual_seed(seed)
-        captured = capture(model, batch, loss_fn, training_step=training_step)
-        graph, grad_seed = with_grad_seed(captured, torch.device("cpu") if fake else next(model.parameters()).device)
+        if inference:
+            forward = capture_forward(model, batch)
+            graph, grad_seed, output_spec = forward.graph, None, forward.output_spec
+        else:
+            captured = capture(model, batch, loss_fn, training_step=training_step)
+            device_of_seed = torch.device("cpu") if fake else next(model.parameters()).device
+            graph, grad_seed = with_grad_seed(captured, device_of_seed)
         verification = _verification(graph, model, batch, step, seed, verify)
         if optimizer is not None and unplanned_reason(optimizer) is None:
             graph = with_optimizer(graph, optimizer, model, max_grad_norm, on_cuda=device != "cpu")
@@ -257,7 +287,7 @@ def optimize(
         if objective.memory_bytes is not None and objective.memory_bytes < floor:
             raise InfeasibleLimit(
                 f"memory limit {_mib(objective.memory_bytes)} is below the floor of this step, "
-                f"{_mib(floor)} (weights, buffers, inputs, optimizer states, gradients returned)"
+                f"{_mib(floor)} (weights, buffers, inputs, optimizer states, gradients or outputs returned)"
             )
         result = m_optimize(graph, objective, latency_model, time_budget, max_states, progress=progress)
     best = result.best
@@ -282,6 +312,7 @@ def optimize(
         optimizer=optimizer,
         max_grad_norm=max_grad_norm,
         runtime="compiled" if compile else "generated",
+        output_spec=output_spec,
     )
     if not objective.met_by(best):  # the near miss goes with the error
         raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)
@@ -298,6 +329,24 @@ def _verification(
         return Verification(False, "not checked: optimize(..., verify=False)")
     memory = simulate_memory(graph, [n.name for n in graph.nodes])
     return verify_step(graph, memory.peak - memory.persistent_bytes, model, batch, step, seed)
+
+
+def _check_inference(loss_fn: Any, training_step: Any, optimizer: Any, max_grad_norm: Any) -> None:
+    """An inference plan has no loss and no update: refuse what only a training step takes."""
+    given = [
+        name
+        for name, value in (
+            ("loss_fn", loss_fn),
+            ("training_step", training_step),
+            ("optimizer", optimizer),
+            ("max_grad_norm", max_grad_norm),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"inference=True plans the model's forward alone, without loss or update: drop {', '.join(given)}"
+        )
 
 
 def _check_optimizer(model: torch.nn.Module, optimizer: Any, max_grad_norm: float | None) -> None:
@@ -318,8 +367,10 @@ def _check_optimizer(model: torch.nn.Module, optimizer: Any, max_grad_norm: floa
 
 def floor_bytes(graph: Graph, memory: MemoryProfile) -> int:
     """What every plan holds at its end: weights, buffers, inputs, optimizer states and the
-    gradients it returns (none of those an optimizer in the plan consumes)."""
-    storages = {key for node in graph.signature.gradients.values() for key in graph.storages[node] if key}
+    gradients it returns (none of those an optimizer in the plan consumes), or an inference
+    plan's outputs."""
+    returned = [*graph.signature.gradients.values(), *graph.signature.results]
+    storages = {key for node in returned for key in graph.storages[node] if key}
     return memory.persistent_bytes + sum(graph.storage_bytes[key] for key in storages)
 
 
@@ -366,7 +417,7 @@ def _infeasible(objective: Objective, peak: int, latency: float, baseline_latenc
     if objective.memory_bytes is not None and peak > objective.memory_bytes:
         parts.append(
             f"memory limit {_mib(objective.memory_bytes)} not met: the lowest peak found is {_mib(peak)} "
-            f"(floor: {_mib(floor)}: weights, buffers, inputs, optimizer states, gradients returned)"
+            f"(floor: {_mib(floor)}: weights, buffers, inputs, optimizer states, gradients or outputs returned)"
         )
     if objective.latency_s is not None and latency > objective.latency_s:
         parts.append(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from magis.frontend.capture import capture_timed
+from magis.frontend.capture import capture_forward, capture_timed
 from magis.frontend.step import TrainingStep, UserStep, as_batch
 from magis.ir.graph import Graph
 from magis.models import Built, build_workload
@@ -26,12 +26,19 @@ def log(message: str) -> None:
     print(f"[magis {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def load_graph(name: str, preset: str, batch: int | None) -> tuple[Graph, float]:
-    """Build and capture a workload's training step: the graph and the capture seconds."""
+def load_graph(name: str, preset: str, batch: int | None, inference: bool = False) -> tuple[Graph, float]:
+    """Build and capture a workload's training step, or its forward alone (``inference``, or a
+    workload whose model returns no loss: :attr:`~magis.models.Built.inference`): the graph and
+    the capture seconds."""
     log(f"building {name} ({preset})")
     built = load_workload(name, preset, batch)
-    log(f"capturing {name} ({preset})")
-    captured = capture_timed(built.model, built.example_inputs, built.loss_fn)
+    inference = inference or built.inference
+    log(f"capturing {name} ({preset}{', forward alone' if inference else ''})")
+    captured = (
+        capture_forward(built.model, built.example_inputs)
+        if inference
+        else capture_timed(built.model, built.example_inputs, built.loss_fn)
+    )
     log(f"captured {len(captured.graph)} nodes in {captured.seconds:.1f} s")
     return captured.graph, captured.seconds
 

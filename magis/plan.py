@@ -1,5 +1,8 @@
 """A plan: the training step the M-Optimizer chose, ready to train with (what :func:`magis.optimize` returns).
 
+An inference plan (``optimize(..., inference=True)``) runs the forward alone:
+``plan(*batch)`` returns the model's output, as ``with torch.no_grad(): model(*batch)``.
+
 ``plan(*batch)`` (``plan(batch)`` for a mapping or one tensor: the batch as it was
 given to :func:`magis.optimize`) runs one training step with the magis runtime
 (:mod:`magis.backend.runtime`: generated code unless ``plan.runtime`` says otherwise),
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.utils._pytree as pytree
 
 from magis.backend.codegen import GeneratedStep, generate
 from magis.backend.compiled import compiled_segments
@@ -123,6 +127,7 @@ class Plan:
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)  # the user's, stepped by each call
     max_grad_norm: float | None = None  # clipping before the update
     runtime: PlanRuntime = "generated"  # how the step runs: one of PLAN_RUNTIMES
+    output_spec: pytree.TreeSpec | None = field(default=None, repr=False)  # an inference plan's output structure
 
     @cached_property
     def program(self) -> Program:
@@ -139,8 +144,9 @@ class Plan:
         (:mod:`magis.backend.compiled`; each segment compiles on its first call)."""
         return generated_step(self.program, compile=True)
 
-    def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | None = None) -> torch.Tensor:
-        """One training step on ``batch``, given as to :func:`magis.optimize`: the loss (module docstring)."""
+    def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | None = None) -> Any:
+        """One training step on ``batch``, given as to :func:`magis.optimize`: the loss (module
+        docstring); an inference plan's forward: the model's output."""
         if self.planning_only:
             raise RuntimeError(
                 "this plan was made for a model on fake or meta tensors: it needs real weights to run "
@@ -148,6 +154,8 @@ class Plan:
             )
         inputs = self.batch.tensors(self.batch.given(batch))
         self.conditions.check(self.model)
+        if self.graph.signature.inference:
+            return self._infer(inputs, grad_scale)
         if self.optimizer is not None:
             _check_whole_step(self.model, grad_scale)
         in_plan = self.optimizer if self.graph.signature.optimizer else None
@@ -171,6 +179,14 @@ class Plan:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return result.loss
+
+    def _infer(self, inputs: list[Any], grad_scale: Any) -> Any:
+        """An inference plan's step: the model's output, rebuilt from the graph's results."""
+        if grad_scale is not None:
+            raise ValueError("grad_scale scales a backward: an inference plan (inference=True) has none")
+        with autocast_off():
+            result = run_program(self.program, self.model, inputs, runtime=self._runner())
+        return pytree.tree_unflatten(list(result.outputs), self.output_spec)
 
     def _runner(self) -> Runtime | GeneratedStep:
         """What runs the bound step: the generated code or its compiled form (made once), or the interpreter."""

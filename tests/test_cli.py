@@ -14,10 +14,14 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_models_lists_the_seven_workloads(capsys):
+def test_models_lists_every_workload_of_the_zoo_with_its_step(capsys):
+    from magis.models import ZOO
+
     report = run_json(capsys, "models", "--json")
-    names = {row["model"] for row in report["workloads"]}
-    assert names == {"resnet50", "bert-base", "vit-base", "unet", "unetpp", "gpt-neo-1.3b", "btlm-3b"}
+    rows = {row["model"]: row for row in report["workloads"]}
+    assert list(rows) == list(ZOO)
+    assert {"resnet50", "bert-base", "vit-base", "unet", "unetpp", "gpt-neo-1.3b", "btlm-3b"} <= set(rows)
+    assert all(row["step"] == ("inference" if ZOO[name].inference else "training") for name, row in rows.items())
 
 
 def test_profile_json_has_the_documented_keys(capsys):

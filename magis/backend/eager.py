@@ -1,4 +1,4 @@
-"""The reference: a plain eager PyTorch training step, as a user would write it."""
+"""The reference: a plain eager PyTorch training step (or forward), as a user would write it."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ def eager_step(
         p.grad = None
     assert total is not None
     return StepResult(total, grads, {})
+
+
+def eager_forward(model: torch.nn.Module, batch: Any) -> StepResult:
+    """The model's forward on ``batch`` without gradients, as an inference step runs it: its
+    output's tensors (flattened, :func:`torch.utils._pytree.tree_flatten`) as ``outputs``."""
+    with torch.no_grad():
+        output = UserStep.output(model, as_batch(batch))
+    return StepResult(None, {}, {}, tuple(pytree.tree_leaves(output)))
 
 
 def separate_shared_gradients(model: torch.nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""Run a graph's training step on real tensors in a given schedule.
+"""Run a graph's training step (or inference step) on real tensors in a given schedule.
 
 The graph is lowered for the schedule (:mod:`magis.backend.program`) and run as
 generated code (:mod:`magis.backend.codegen`, the default) or by the interpreter
@@ -34,11 +34,13 @@ class RuntimeBindError(ValueError):
 
 @dataclass
 class StepResult:
-    """What a training step returns."""
+    """What a step returns: a training step's loss and gradients, or an inference step's
+    ``outputs`` (its graph's ``signature.results``; ``loss`` is None); new buffer values."""
 
-    loss: torch.Tensor
+    loss: torch.Tensor | None
     gradients: dict[str, torch.Tensor]
     buffer_updates: dict[str, torch.Tensor]
+    outputs: tuple[torch.Tensor, ...] = ()
 
 
 def module_tensors(model: torch.nn.Module, names: Sequence[tuple[str, str]]) -> list[torch.Tensor | None]:
@@ -146,9 +148,10 @@ def run_program(
         raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     sig = graph.signature
     result = StepResult(
-        loss=env[sig.loss],
+        loss=None if sig.inference else env[sig.loss],
         gradients={p: env[n] for p, n in sig.gradients.items()},
         buffer_updates={b: env[n] for b, n in sig.buffer_updates.items()},
+        outputs=tuple(env[n] for n in sig.results),
     )
     if apply_buffer_updates and result.buffer_updates:
         buffers = dict(model.named_buffers(remove_duplicate=False))

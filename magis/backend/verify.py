@@ -27,13 +27,14 @@ from magis.backend.eager import (
     GradientComparison,
     buffers_snapshot,
     compare_gradients,
+    eager_forward,
     eager_step,
     restore_buffers,
     slice_batch,
 )
 from magis.backend.meter import peak_meter
 from magis.backend.runtime import Runtime, StepResult, run_step
-from magis.frontend.capture import capture
+from magis.frontend.capture import capture, capture_forward
 from magis.frontend.conditions import autocast_off, autocast_state
 from magis.frontend.fx_graph import draws_random_numbers
 from magis.frontend.step import BatchSpec, CaptureError, UserStep, as_batch
@@ -79,19 +80,28 @@ def run_both(
     """Eager's step, then ``graph`` in ``order`` (autocast off: it holds its casts) run as
     ``runtime`` says (:func:`~magis.backend.runtime.run_program`), each from ``seed`` and the
     same buffers, with ``measure`` each measured (:func:`~magis.backend.meter.peak_meter`);
-    the model's buffers, ``.grad`` and the generators are as before afterwards."""
+    the model's buffers, ``.grad`` and the generators are as before afterwards. For an
+    inference graph (:attr:`~magis.ir.graph.Signature.inference`) eager's step is the forward
+    alone (:func:`~magis.backend.eager.eager_forward`) and ``step`` is not used."""
     inputs = BatchSpec.of(batch).tensors(batch)
     constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
     with _model_kept(model) as before, forked_rng(model):
         with peak_meter(model, inputs) if measure else _Unmeasured() as eager_meter:
             torch.manual_seed(seed)
-            reference = eager_step(model, batch, step.loss_fn, training_step=step.training_step)
+            reference = _eager_reference(graph, model, batch, step)
         after = buffers_snapshot(model)
         restore_buffers(model, before)
         with peak_meter(model, [*inputs, *constants]) if measure else _Unmeasured() as meter, autocast_off():
             torch.manual_seed(seed)
             result = run_step(graph, model, inputs, order, apply_buffer_updates=False, runtime=runtime)
     return BothSteps(reference, result, before, after, eager_meter.peak_bytes, meter.peak_bytes)
+
+
+def _eager_reference(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep) -> StepResult:
+    """Eager's run of what ``graph`` captured: the training step, or the forward alone."""
+    if graph.signature.inference:
+        return eager_forward(model, batch)
+    return eager_step(model, batch, step.loss_fn, training_step=step.training_step)
 
 
 def step_precision(model: torch.nn.Module) -> torch.dtype:
@@ -105,10 +115,16 @@ def step_precision(model: torch.nn.Module) -> torch.dtype:
 
 
 def compare_steps(both: BothSteps, precision: torch.dtype) -> tuple[float, GradientComparison]:
-    """The loss's relative difference, and every gradient and every buffer eager or the graph
-    changed, the graph's against eager's (:func:`~magis.backend.eager.compare_gradients`)."""
-    loss = compare_gradients({"loss": both.reference.loss}, {"loss": both.result.loss}).max_error
-    reference, other = dict(both.reference.gradients), dict(both.result.gradients)
+    """The loss's relative difference, and every gradient (an inference step: every output) and
+    every buffer eager or the graph changed, the graph's against eager's
+    (:func:`~magis.backend.eager.compare_gradients`)."""
+    if both.reference.loss is None:
+        loss = 0.0
+        reference = {f"output {i}": t for i, t in enumerate(both.reference.outputs)}
+        other = {f"output {i}": t for i, t in enumerate(both.result.outputs)}
+    else:
+        loss = compare_gradients({"loss": both.reference.loss}, {"loss": both.result.loss}).max_error
+        reference, other = dict(both.reference.gradients), dict(both.result.gradients)
     for name, value in both.buffers_after.items():
         if not torch.equal(value, both.buffers_before[name]) or name in both.result.buffer_updates:
             reference[f"buffer {name}"] = value
@@ -123,19 +139,22 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
     tolerance = GRADIENT_TOLERANCE.get(precision, GRADIENT_TOLERANCE[torch.float32])
     loss, comparison = compare_steps(run_both(graph, None, model, batch, step, seed), precision)
     largest = max(loss, comparison.max_error)
+    inference = graph.signature.inference
     if comparison.same_names and largest <= tolerance:
+        what = "outputs and buffer updates" if inference else "loss, gradients and buffer updates"
         return Verification(
             True,
-            f"loss, gradients and buffer updates equal eager PyTorch's within {tolerance:g} ({precision}; "
+            f"{what} equal eager PyTorch's within {tolerance:g} ({precision}; "
             f"largest relative difference {largest:.2g})",
         )
-    found = [f"the loss differs by {loss:.3g} (relative)"]
+    found = [] if inference else [f"the loss differs by {loss:.3g} (relative)"]
     if comparison.worst is not None:
-        found.append(f"the largest gradient difference is at {comparison.worst} ({comparison.max_error:.3g} relative)")
+        kind = "output" if inference else "gradient"
+        found.append(f"the largest {kind} difference is at {comparison.worst} ({comparison.max_error:.3g} relative)")
     if not comparison.same_names:
         found.append(comparison.describe())
     raise CaptureMismatch(
-        f"the captured training step differs from eager PyTorch's on the example batch "
+        f"the captured {'forward' if inference else 'training step'} differs from eager PyTorch's on the example batch "
         f"(tolerance {tolerance:g} in {precision}): {'; '.join(found)}. "
         f"Suspected: {_suspect(graph, model, batch, step, comparison)}. Nothing was planned; "
         "optimize(..., verify=False) plans it anyway (at your own risk)"
@@ -157,7 +176,11 @@ def verify_step(
     if fit < 1:
         return Verification(False, "not checked: even one sample's eager step would not fit in the free device memory")
     part = slice_batch(as_batch(batch), 0, fit)
-    sliced = capture(model, part, step.loss_fn, training_step=step.training_step)
+    sliced = (
+        capture_forward(model, part).graph
+        if graph.signature.inference
+        else capture(model, part, step.loss_fn, training_step=step.training_step)
+    )
     checked = verify_capture(sliced, model, part, step, seed)
     return Verification(True, f"on the first {fit} of {rows} samples (the whole step would not fit): {checked.note}")
 
@@ -177,7 +200,7 @@ def _rows(batch: Any) -> int | None:
 
 
 def _suspect(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, comparison: GradientComparison) -> str:
-    drawn = eager_random_draws(model, batch, step)
+    drawn = eager_random_draws(graph, model, batch, step)
     in_graph = sum(n.random for n in graph.nodes)
     if in_graph < drawn:
         return (
@@ -198,11 +221,11 @@ def _suspect(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, c
     )
 
 
-def eager_random_draws(model: torch.nn.Module, batch: Any, step: UserStep) -> int:
-    """How many random ops one eager step runs (the model left as it was)."""
+def eager_random_draws(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep) -> int:
+    """How many random ops one eager run of what ``graph`` captured makes (the model left as it was)."""
     counter = _RandomDraws()
     with _model_kept(model), forked_rng(model), counter:
-        eager_step(model, batch, step.loss_fn, training_step=step.training_step)
+        _eager_reference(graph, model, batch, step)
     return counter.draws
 
 

@@ -12,6 +12,7 @@ from magis.models import PRESETS
 
 __all__ = [
     "add_device_argument",
+    "add_inference_argument",
     "add_workload_arguments",
     "emit",
     "format_table",
@@ -33,6 +34,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser, presets: tuple[str, 
     parser.add_argument("--preset", choices=presets, default="tiny", help="workload size (default: tiny)")
     parser.add_argument("--batch", type=positive_int, default=None, help="batch size (default: the preset's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_inference_argument(parser: argparse.ArgumentParser) -> None:
+    """--inference: the forward alone (a workload whose model returns no loss always is)."""
+    parser.add_argument(
+        "--inference",
+        action="store_true",
+        help="plan the model's forward alone, without gradients (optimize(..., inference=True)); "
+        "an inference workload of `magis models` always is",
+    )
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,8 @@ gradient difference; ``--plot`` draws the memory timelines of the captured step
 and the plan. ``--optimizer adamw|adam|sgd`` plans the whole step, the update included
 (``optimize(..., optimizer=)``), the limits then of eager's full step. ``--compile``
 runs the plan's segments compiled by Inductor (``optimize(..., compile=True)``).
+``--inference`` plans the forward alone (``optimize(..., inference=True)``; always, for an
+inference workload of ``magis models``); ``--run`` then compares the outputs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import argparse
 from typing import Any
 
 from magis.api import measure_against_eager, optimize
-from magis.commands.common import add_device_argument, add_workload_arguments, emit, load_workload, log
+from magis.commands.common import (
+    add_device_argument,
+    add_inference_argument,
+    add_workload_arguments,
+    emit,
+    load_workload,
+    log,
+)
 from magis.fits import OPTIMIZERS
 from magis.search.m_optimizer import DEFAULT_MAX_STATES
 
@@ -34,6 +43,7 @@ def memory_limit(text: str) -> int | float | str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_device_argument(parser)
+    add_inference_argument(parser)
     limits = parser.add_mutually_exclusive_group()
     limits.add_argument(
         "--memory-limit",
@@ -77,12 +87,16 @@ def run(args: argparse.Namespace) -> int:
     if args.run and args.optimizer != "none":
         raise ValueError("--run compares the plan's gradients with eager's: plan without --optimizer to run it")
     built = load_workload(args.model, args.preset, args.batch)
+    inference = args.inference or built.inference
+    if inference and args.optimizer != "none":
+        raise ValueError("--inference plans the forward alone: it takes no --optimizer")
     optimizer_class = OPTIMIZERS[args.optimizer]
-    log(f"optimizing {args.model} ({args.preset})")
+    log(f"optimizing {args.model} ({args.preset}{', forward alone' if inference else ''})")
     plan = optimize(
         built.model,
         built.example_inputs,
-        built.loss_fn,
+        None if inference else built.loss_fn,
+        inference=inference,
         memory_limit=args.memory_limit,
         latency_limit=args.latency_limit,
         time_budget=args.time_budget,
@@ -97,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "model": args.model,
         "preset": args.preset,
+        "step": "inference" if inference else "training",
         "device": plan.device,
         "mode": details.mode,
         "baseline_peak_bytes": plan.baseline_peak_bytes,

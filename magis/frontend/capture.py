@@ -1,10 +1,13 @@
-"""Capture a whole training step (forward, loss, backward) as one aten-level graph.
+"""Capture a whole training step (forward, loss, backward) as one aten-level graph, or an
+inference step (the forward alone).
 
 AOTAutograd (``aot_export_module`` with ``trace_joint=True``) traces the step with
 fake tensors and functionalizes it: no in-place op or mutation is left, buffer
 updates (BatchNorm running statistics) become outputs. The step is the user's
 (:mod:`magis.frontend.step`: their batch, their loss or training step);
 :mod:`magis.frontend.fx_graph` converts the exported graph into :class:`magis.ir.Graph`.
+:func:`capture_forward` traces ``model(*batch)`` alone (``trace_joint=False``, no
+gradients): the graph of an inference plan, whose outputs are the output's tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -30,10 +34,12 @@ from magis.ir.graph import Graph
 
 @dataclass(frozen=True)
 class Captured:
-    """A captured graph and how long capture took."""
+    """A captured graph and how long capture took; for a forward (:func:`capture_forward`), also
+    the structure of its output, whose tensors are the graph's ``signature.results`` in order."""
 
     graph: Graph
     seconds: float
+    output_spec: pytree.TreeSpec | None = None
 
 
 Slot = tuple[torch.nn.Module, str, str]  # (module, "_parameters" or "_buffers", attribute)
@@ -130,6 +136,25 @@ class _TrainingStep(StepModule):
             return (self.loss(*inputs),)
 
 
+class _ForwardStep(StepModule):
+    """The model's forward as the module AOTAutograd exports: returns the output's tensors,
+    flattened (:mod:`torch.utils._pytree`); ``output_spec`` is the output's structure."""
+
+    output_spec: pytree.TreeSpec | None = None
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
+        with aliases_bound(self.aliases):
+            output = UserStep.output(self.model, inputs if self.batch is None else self.batch.rebuild(inputs))
+        leaves, self.output_spec = pytree.tree_flatten(output)
+        others = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+        if others or not leaves:
+            raise CaptureError(
+                "an inference plan returns the model's output tensors: the output holds "
+                + (f"a {others[0]}, which is not a tensor" if others else "no tensor")
+            )
+        return tuple(leaves)
+
+
 def capture(
     model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *, training_step: TrainingStep | None = None
 ) -> Graph:
@@ -181,6 +206,36 @@ def capture_timed(
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start)
+
+
+def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
+    """Trace ``model(*batch)`` (``model(**batch)`` for a mapping) alone, without gradients, into
+    one :class:`Graph`: the step of an inference plan (MAGIS plans it as Serenity does, with no
+    backward). The graph's outputs are the output's tensors (``signature.results``, in
+    :func:`torch.utils._pytree.tree_flatten` order; ``output_spec`` rebuilds the output) and the
+    buffers the forward mutates (a batch norm in train mode). Submodules keep their modes."""
+    model = user_model(model)
+    spec = BatchSpec.of(batch)
+    step = _ForwardStep(model, batch=spec)
+    start = time.perf_counter()
+    example_inputs = spec.tensors(as_batch(batch))
+    try:
+        with (
+            _without_stack_traces(),
+            traced_as_by_compile(),
+            ExactRNNs(model),
+            FusedAttentionMasks() if _on_cuda(model) else contextlib.nullcontext(),
+            planning_mode(model, example_inputs) as inputs,
+            torch.no_grad(),
+        ):
+            gm, sig = aot_export_module(step, inputs, trace_joint=False)
+    except CaptureError:
+        raise
+    except Exception as err:
+        raise CaptureError(explain_capture_failure(err)) from err
+    propagate_fake_values(gm)
+    graph = graph_from_fx(gm, sig)
+    return Captured(graph, time.perf_counter() - start, step.output_spec)
 
 
 @contextlib.contextmanager

@@ -37,20 +37,24 @@ def _unprefix(name: str) -> str:
 
 
 def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
-    """Convert AOTAutograd's joint fx graph and its signature into a :class:`Graph`."""
+    """Convert AOTAutograd's fx graph and its signature into a :class:`Graph`: a joint graph
+    (its first user output the loss), or a forward alone (``trace_joint=False``: its user
+    outputs are the step's ``results``)."""
+    joint = sig.backward_signature is not None
     signature = Signature(
         parameters={k: _unprefix(v) for k, v in sig.inputs_to_parameters.items()},
         buffers={k: _unprefix(v) for k, v in sig.inputs_to_buffers.items()},
         user_inputs=tuple(sig.user_inputs),
-        loss=sig.user_outputs[0],
-        gradients={_unprefix(p): name for name, p in sig.backward_signature.gradients_to_parameters.items()},
+        loss=sig.user_outputs[0] if joint else "",
+        gradients={_unprefix(p): n for n, p in sig.backward_signature.gradients_to_parameters.items()} if joint else {},
         buffer_updates={_unprefix(b): name for name, b in sig.buffers_to_mutate.items()},
+        results=() if joint else tuple(sig.user_outputs),
     )
     return graph_from_step_fx(gm, signature)
 
 
 def graph_from_step_fx(gm: torch.fx.GraphModule, signature: Signature) -> Graph:
-    """Convert a functional fx graph of a whole training step into a :class:`Graph`.
+    """Convert a functional fx graph of a whole training step (or of an inference step) into a :class:`Graph`.
 
     ``gm`` holds forward, loss and backward, with fake values in ``meta['val']`` (see
     :func:`magis.frontend.capture.propagate_fake_values`); its outputs are the step's outputs. ``signature``
@@ -64,7 +68,8 @@ def graph_from_step_fx(gm: torch.fx.GraphModule, signature: Signature) -> Graph:
     grads = signature.gradients
     updates = signature.buffer_updates
     loss = signature.loss
-    loss_ancestors = _fx_ancestors(gm, loss)
+    # a forward alone (an inference step) is all forward
+    loss_ancestors = {n.name for n in gm.graph.nodes} if signature.inference else _fx_ancestors(gm, loss)
 
     storage_owner: dict[StorageWeakRef, tuple[str, int]] = {}
     elements: dict[str, tuple[tuple[str, int] | None, ...]] = {}  # node -> root storage per element

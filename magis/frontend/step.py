@@ -97,6 +97,11 @@ class UserStep:
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be callable, got {type(getattr(self, name)).__name__}")
 
+    @staticmethod
+    def output(model: torch.nn.Module, batch: Any) -> Any:
+        """The model's output on ``batch`` (as :func:`as_batch` keeps it): its forward alone."""
+        return model(**batch) if isinstance(batch, dict) else model(*_args(batch))
+
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The scalar loss of one step on ``batch`` (as :func:`as_batch` keeps it)."""
         if self.training_step is not None:
@@ -107,7 +112,7 @@ class UserStep:
             )
             what = "training_step"
         else:
-            output = model(**batch) if isinstance(batch, dict) else model(*_args(batch))
+            output = self.output(model, batch)
             loss = default_loss(output) if self.loss_fn is None else self.loss_fn(output)
             what = "the model" if self.loss_fn is None else "loss_fn"
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -209,6 +209,12 @@ class Signature:
     buffer_updates: dict[str, str] = field(default_factory=dict)  # buffer name -> new value node
     optimizer: str = ""  # input node bound to the optimizer whose update the graph holds, if any
     optimizer_states: dict[str, tuple[str, str]] = field(default_factory=dict)  # input node -> (parameter, key)
+    results: tuple[str, ...] = ()  # an inference step's output tensors, in order (it has no loss)
+
+    @property
+    def inference(self) -> bool:
+        """The graph is a forward alone (an inference step): it returns ``results``, no loss."""
+        return not self.loss
 
 
 class GraphError(ValueError):
@@ -438,6 +444,7 @@ class Graph:
                 loss=rename.get(sig.loss, sig.loss),
                 gradients={k: rename.get(v, v) for k, v in sig.gradients.items()},
                 buffer_updates={k: rename.get(v, v) for k, v in sig.buffer_updates.items()},
+                results=tuple(rename.get(r, r) for r in sig.results),
             )
         edges = self.order_edges if order_edges is None else order_edges
         edges = tuple((rename.get(a, a), rename.get(b, b)) for a, b in edges)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,7 @@ class Built:
     model: nn.Module
     example_inputs: tuple
     loss_fn: Callable[[Any], torch.Tensor] | None = None
+    inference: bool = False  # the model's output is not a loss: plan its forward (Workload.inference)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Workload:
             _check_size("seq", seq)
             sizes = {**sizes, "seq": seq, **({"max_positions": seq} if "max_positions" in sizes else {})}
         torch.manual_seed(seed)
-        built = self.builder(sizes, batch)
+        built = replace(self.builder(sizes, batch), inference=self.inference)
         built.model.train(not self.inference)
         return built
 

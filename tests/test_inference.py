@@ -1,0 +1,143 @@
+"""Inference plans (``magis.optimize(..., inference=True)``): the forward alone, planned by the same
+search, returns eager's output exactly, within its simulated peak; what only a training step takes
+is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import magis
+from magis.api import measure_against_eager
+from magis.cli import main
+from magis.frontend.capture import capture_forward
+from magis.frontend.step import CaptureError
+from magis.ir.graph import Role
+
+SEARCH = {"time_budget": 10.0, "max_states": 40, "progress": False}
+
+
+class Branchy(nn.Module):
+    """A user's network that is not ours: convolutions, batch norm, a residual and a concatenation
+    feeding a convolution (Serenity's identity rewrite), dropout, and a structured output."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.norm = nn.BatchNorm2d(width)
+        self.left = nn.Conv2d(width, width, 3, padding=1)
+        self.right = nn.Conv2d(width, width, 1)
+        self.merge = nn.Conv2d(2 * width, width, 1)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, images: torch.Tensor) -> dict:
+        x = torch.relu(self.norm(self.stem(images)))
+        y = self.merge(torch.cat([torch.relu(self.left(x)), torch.relu(self.right(x))], dim=1)) + x
+        features = self.drop(y)
+        return {"logits": self.head(features.mean((2, 3))), "features": (features,)}
+
+
+def build(train: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Branchy().double().train(train)
+    return model, torch.randn(4, 3, 24, 24, dtype=torch.float64)
+
+
+def eager_output(model: nn.Module, images: torch.Tensor, seed: int) -> tuple[dict, dict]:
+    """``model(images)`` under ``no_grad`` from ``seed``, and the model's state after it."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        output = model(images)
+    return output, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_capture_forward_holds_no_backward_and_returns_the_output_tensors():
+    model, images = build()
+    captured = capture_forward(model, (images,))
+    graph = captured.graph
+    assert graph.signature.inference and not graph.signature.gradients and not graph.signature.loss
+    assert {n.role for n in graph.nodes} <= {Role.PARAMETER, Role.BUFFER, Role.INPUT, Role.CONSTANT, Role.ACTIVATION}
+    assert graph.outputs == graph.signature.results and len(graph.signature.results) == 2
+    leaves = torch.utils._pytree.tree_leaves(model(images))
+    assert torch.utils._pytree.tree_structure(model(images)) == captured.output_spec
+    assert [graph[r].outputs[0].shape for r in graph.signature.results] == [tuple(t.shape) for t in leaves]
+
+
+def test_eval_plan_returns_eager_output_exactly_within_its_simulated_peak(tmp_path):
+    model, images = build()
+    plan = magis.optimize(model, (images,), inference=True, memory_limit=0.75, **SEARCH)
+    assert plan.peak_bytes <= plan.objective.memory_bytes < plan.baseline_peak_bytes
+    assert plan.report().verified
+    assert plan.search.best.steps, "a limit below the captured peak needs a transformation"
+    reference, _ = eager_output(model, images, seed=0)
+    output = plan(images)
+    assert output.keys() == reference.keys()
+    assert torch.equal(output["logits"], reference["logits"])
+    assert torch.equal(output["features"][0], reference["features"][0])
+    measured = measure_against_eager(plan.graph, plan.order, model, (images,), None)
+    assert measured["max_output_error"] == 0.0
+    assert measured["measured_peak_bytes"] == plan.peak_bytes  # the simulator is exact on CPU
+    assert measured["eager_peak_bytes"] > plan.peak_bytes
+
+    plan.save(tmp_path / "forward.plan")
+    again = magis.load_plan(tmp_path / "forward.plan", model)
+    assert torch.equal(again(images)["logits"], reference["logits"])
+
+
+def test_train_mode_forward_draws_eagers_dropout_and_updates_batch_norm_as_eager():
+    model, images = build(train=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = magis.optimize(model, (images,), inference=True, latency_limit=1.5, **SEARCH)
+    model.load_state_dict(before)
+    reference, eager_state = eager_output(model, images, seed=3)
+    model.load_state_dict(before)
+    torch.manual_seed(3)
+    output = plan(images)
+    assert torch.equal(output["features"][0], reference["features"][0])  # the same dropout mask
+    for name, value in model.state_dict().items():  # running statistics as eager leaves them
+        assert torch.equal(value, eager_state[name]), name
+    model.eval()
+    with pytest.raises(ValueError, match="mode"):  # planned in train mode: eval mode is refused
+        plan(images)
+
+
+@pytest.mark.parametrize(
+    "option", [{"loss_fn": lambda out: out["logits"].sum()}, {"optimizer": "sgd"}, {"max_grad_norm": 1.0}]
+)
+def test_inference_refuses_what_only_a_training_step_takes(option):
+    model, images = build()
+    if option.get("optimizer") == "sgd":
+        option = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with pytest.raises(ValueError, match=rf"inference=True .*drop {next(iter(option))}"):
+        magis.optimize(model, (images,), inference=True, **option, **SEARCH)
+
+
+def test_an_output_that_is_not_tensors_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.forward = lambda x: (nn.Sequential.forward(model, x), "label")  # type: ignore[method-assign]
+    with pytest.raises(CaptureError, match="output holds a str, which is not a tensor"):
+        capture_forward(model, (torch.randn(2, 4),))
+
+
+def test_cli_plans_a_users_forward_and_runs_it(tmp_path, capsys):
+    module = tmp_path / "users_net.py"
+    module.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),\n"
+        "                        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()\n"
+        "    return net, (torch.randn(4, 3, 32, 32),)\n"
+    )
+    argv = ["optimize", f"{module}:make", "--inference", "--memory-limit", "0.7", "--time-budget", "5", "--run"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step"] == "inference" and report["peak_ratio"] <= 0.7
+    assert report["max_output_error"] == 0.0 and report["measured_peak_bytes"] == report["peak_bytes"]
+    assert main(["schedule", f"{module}:make", "--inference", "--json"]) == 0
+    scheduled = json.loads(capsys.readouterr().out)
+    assert scheduled["step"] == "inference" and scheduled["optimized_peak_bytes"] <= scheduled["captured_peak_bytes"]
