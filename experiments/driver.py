@@ -6,12 +6,15 @@ on ``sys.path``); not part of the magis package.
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
+
+from magis.ir.graph import Graph
 
 
 def measure_in_subprocess(script: str, name: str, *args: str) -> dict[str, Any]:
@@ -46,3 +49,19 @@ def workloads_and_presets(
         )
         return None
     return chosen
+
+
+def kahn_order(graph: Graph) -> list[str]:
+    """Kahn's algorithm with a FIFO queue, ready nodes in node order: the order a framework
+    without memory-aware scheduling runs (Serenity's baseline, TensorFlow Lite's)."""
+    indegree = {name: len(preds) for name, preds in graph.predecessors.items()}
+    ready = collections.deque(n.name for n in graph.nodes if not indegree[n.name])
+    order = []
+    while ready:
+        name = ready.popleft()
+        order.append(name)
+        for succ in graph.successors[name]:
+            indegree[succ] -= 1
+            if not indegree[succ]:
+                ready.append(succ)
+    return order

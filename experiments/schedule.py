@@ -15,12 +15,11 @@ chart (peaks relative to the captured order) next to it.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 from pathlib import Path
 
-from driver import measure_in_subprocess, write_json
+from driver import kahn_order, measure_in_subprocess, write_json
 
 from magis.cost.memory import peak_memory
 from magis.ir.graph import Graph
@@ -28,21 +27,6 @@ from magis.models.random_graphs import random_nasnet_graph, random_randwire_grap
 from magis.schedule import schedule
 
 PAPER_SECONDS = 30.0  # floor: a paper-size workload is scheduled in under this
-
-
-def kahn_order(graph: Graph) -> list[str]:
-    """Kahn's algorithm with a FIFO queue, ready nodes in node order."""
-    indegree = {name: len(preds) for name, preds in graph.predecessors.items()}
-    ready = collections.deque(n.name for n in graph.nodes if not indegree[n.name])
-    order = []
-    while ready:
-        name = ready.popleft()
-        order.append(name)
-        for succ in graph.successors[name]:
-            indegree[succ] -= 1
-            if not indegree[succ]:
-                ready.append(succ)
-    return order
 
 
 def measure(name: str, graph: Graph, time_limit: float) -> dict:

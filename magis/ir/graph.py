@@ -152,10 +152,21 @@ class Node:
 
 
 def writes(node: Node) -> tuple[str, ...]:
-    """The inputs ``node`` writes in place (an optimizer's update writes its parameters and
-    states: :class:`magis.frontend.optimizer.ParameterUpdate`); ``()`` for a functional op."""
+    """The inputs ``node`` writes in place: an optimizer's update writes its parameters and
+    states (:class:`magis.frontend.optimizer.ParameterUpdate`), an in-place aten op the
+    arguments its schema marks written (``Tensor(a!)``, :mod:`magis.rules.in_place`); ``()``
+    for a functional op, as every captured op is."""
     written = getattr(node.target, "writes", None)
-    return written(node) if callable(written) else ()
+    if callable(written):
+        return written(node)
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple(
+        value.name
+        for value, argument in zip(node.args, schema.arguments)
+        if isinstance(value, Ref) and argument.alias_info is not None and argument.alias_info.is_write
+    )
 
 
 def is_view(node: Node) -> bool:
@@ -286,15 +297,21 @@ class Graph:
 
     @cached_property
     def _write_after_read(self) -> tuple[tuple[str, str], ...]:
-        """(reader, writer) for every node reading, through any view, a storage another node writes."""
+        """(reader, writer) for every node reading, through any view, a storage another node
+        writes, unless what it reads is the writer's own result (an in-place op's output, or
+        a view of it: read after the write, by its data edge)."""
         writers = self.writers
         if not writers:
             return ()
+        viewed: dict[str, frozenset[str]] = {}  # node -> itself and the nodes it is a view of
+        for n in self.nodes:
+            sources = {n.inputs[alias[0]] for alias in n.aliases if alias is not None}
+            viewed[n.name] = frozenset({n.name}).union(*(viewed[s] for s in sources))
         edges = []
         for n in self.nodes:
             for p in n.inputs:
                 for key in self.storages[p]:
-                    edges.extend((n.name, w) for w in writers.get(key, ()) if w != n.name)
+                    edges.extend((n.name, w) for w in writers.get(key, ()) if w != n.name and w not in viewed[p])
         return tuple(dict.fromkeys(edges))
 
     @cached_property

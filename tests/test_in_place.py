@@ -1,0 +1,94 @@
+"""In-place activations (MONeT §3's operator choice, magis.rules.in_place): exact on every tiny
+workload where they apply, never where a reader needs the input, and lower peaks measured as
+simulated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fission import in_float64
+from torch import nn
+
+import magis
+from magis.api import measure_against_eager
+from magis.cost.memory import simulate_memory
+from magis.frontend.capture import capture, capture_forward
+from magis.ir.graph import Graph, writes
+from magis.models import ZOO
+from magis.rules.in_place import IN_PLACE, in_place, in_place_candidates, in_place_rewrites
+from magis.search.registry import rules
+
+#: tiny training workloads with activations that nothing but themselves read (ReLU after batch norm);
+#: not MobileNetV2, whose ReLU6 (hardtanh) backward reads its input, nor the transformers (GELU's does)
+APPLIES = ["resnet50", "unet", "unetpp", "vgg16", "googlenet"]
+
+
+def order(graph: Graph) -> list[str]:
+    return [n.name for n in graph.nodes]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", [n for n in APPLIES if n in ZOO])
+def test_every_tiny_workload_where_it_applies_trains_exactly_as_eager(name):
+    built = in_float64(ZOO[name].build("tiny", seed=0))
+    graph = capture(built.model, built.example_inputs, built.loss_fn)
+    names = in_place_candidates(graph)
+    assert names, f"{name} has activations that nothing else reads"
+    rewritten = in_place(graph, names)
+    assert all(rewritten[n].target is IN_PLACE[graph[n].target] and writes(rewritten[n]) for n in names)
+    before, after = simulate_memory(graph, order(graph)), simulate_memory(rewritten, order(rewritten))
+    assert after.peak <= before.peak
+    measured = measure_against_eager(rewritten, order(rewritten), built.model, built.example_inputs, built.loss_fn)
+    assert measured["max_grad_error"] <= 1e-12 and not measured["missing_gradients"]
+    assert measured["measured_peak_bytes"] == after.peak
+
+
+def test_an_activation_whose_backward_reads_its_input_stays_functional():
+    """SiLU's and GELU's backward read their input: in a training step they are not candidates,
+    in the forward alone they are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    training = capture(model, (x,), lambda out: out.square().mean())
+    assert not in_place_candidates(training)
+    forward = capture_forward(model.eval(), (x,)).graph
+    chosen = in_place_candidates(forward)
+    assert {forward[n].target for n in chosen} == {torch.ops.aten.silu.default, torch.ops.aten.gelu.default}
+    measured = measure_against_eager(in_place(forward, chosen), order(forward), model, (x,), None)
+    assert measured["max_output_error"] == 0.0
+
+
+def peaks_at_relu() -> tuple[nn.Module, torch.Tensor]:
+    """A forward that peaks at its ReLU: the upsampled map and its ReLU (in place: one of them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), nn.Upsample(scale_factor=4), nn.ReLU(), nn.AvgPool2d(8)).double()
+    return model.eval(), torch.randn(2, 3, 8, 8, dtype=torch.float64)
+
+
+def test_in_place_frees_the_transient_where_it_peaks():
+    model, x = peaks_at_relu()
+    graph = capture_forward(model, (x,)).graph
+    (rewrite,) = in_place_rewrites(graph)
+    upsampled, convolved = 2 * 16 * 32 * 32 * 8, 2 * 16 * 8 * 8 * 8
+    saved = simulate_memory(graph, order(graph)).peak - simulate_memory(rewrite.graph, order(graph)).peak
+    # the new peak is at the upsampling: its input, output and index vectors (32 int64 a side)
+    assert saved == upsampled - convolved - 2 * 32 * 8
+    measured = measure_against_eager(rewrite.graph, order(graph), model, (x,), None)
+    assert measured["max_output_error"] == 0.0
+    assert measured["eager_peak_bytes"] - measured["measured_peak_bytes"] == saved
+
+
+def test_the_search_takes_it_under_a_limit_only_in_place_meets():
+    model, x = peaks_at_relu()
+    assert "in-place" in {r.name for r in rules()}
+    plan = magis.optimize(model, (x,), inference=True, memory_limit=0.6, time_budget=120, max_states=60, progress=False)
+    assert any(step.rule == "in-place" for step in plan.search.best.steps)
+    with torch.no_grad():
+        assert torch.equal(plan(x), model(x))
