@@ -189,14 +189,13 @@ def test_clipping_is_exact_and_holds_the_gradients() -> None:
     model, batch = _deep()
     twin = copy.deepcopy(model)
     opt, opt_twin = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
-    plan = magis.optimize(
-        model, batch, training_step=_loss, optimizer=opt, max_grad_norm=0.05, time_budget=10, progress=False
-    )
+    search = {"time_budget": 120, "max_states": 60, "progress": False}  # bounded by states: deterministic
+    plan = magis.optimize(model, batch, training_step=_loss, optimizer=opt, max_grad_norm=0.05, **search)
     clipped = plan.report().optimizer
     other = copy.deepcopy(model)
     unclipped = magis.optimize(
         other, batch, training_step=_loss, optimizer=torch.optim.AdamW(other.parameters()),
-        memory_limit=plan.peak_bytes, time_budget=10, progress=False, verify=False,
+        memory_limit=plan.peak_bytes, verify=False, **search,
     )  # fmt: skip
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert clipped["clipping_holds_bytes"] == gradient_bytes
@@ -206,7 +205,13 @@ def test_clipping_is_exact_and_holds_the_gradients() -> None:
         plan(*batch)
         torch.manual_seed(i)
         _eager_step(twin, opt_twin, batch, max_grad_norm=0.05)
-        _assert_same(model, twin, opt, opt_twin)
+        _assert_same(model, twin, opt, opt_twin, exact=not _sums_otherwise(plan))
+
+
+def _sums_otherwise(plan: magis.Plan) -> bool:
+    """The plan adds some gradient in another order than eager: over fissioned parts, or
+    after the separable rewrite (equal to float64's rounding, not bitwise)."""
+    return bool(plan.search.best.regions()) or any(s.rule == "separable" for s in plan.search.best.steps)
 
 
 def test_another_optimizer_is_stepped_after_the_plan() -> None:

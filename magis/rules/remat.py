@@ -490,15 +490,22 @@ def _never_merged(node: Node) -> bool:
     return node.is_input or node.random or node.on_host or mutates
 
 
+def _overwritten(graph: Graph, name: str) -> bool:
+    """An operator overwrites the node's result in place (:mod:`magis.rules.in_place`): a
+    reader after the write needs a copy made before it, never the original."""
+    return any(key in graph.writers for key in graph.storages[name])
+
+
 def duplicates(graph: Graph, order: Sequence[str], left: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """Each node outside ``left`` that allocates memory and computes what an earlier such
     node computes (:func:`_key`), with the earliest such node: ``(drop, keep)``. Random
-    operators and operators that write into an input are never duplicates."""
+    operators and operators that write into an input are never duplicates, nor is a node
+    whose result an in-place operator overwrites (a later reader needs its recomputed copy)."""
     first: dict[str, str] = {}
     found = []
     for name in order:
         node = graph[name]
-        if name in left or _never_merged(node):
+        if name in left or _never_merged(node) or _overwritten(graph, name):
             continue
         keep = first.setdefault(_key(graph, node), name)
         if keep != name and node.fresh_bytes > 0:
@@ -547,7 +554,7 @@ def _value_numbered(
     first: dict[str, str] = {}
     for name in order:
         node = graph[name]
-        if name in rename or _never_merged(node):
+        if name in rename or _never_merged(node) or _overwritten(graph, name):
             continue
         reads_merged = any(p in rename for p in node.inputs)
         if reads_merged:
