@@ -1,6 +1,6 @@
 """Dimension rules of the operators that move data rather than compute it (MAGIS §4.1):
-reshapes, ``expand``, permutations, ``cat``, slices and their backward, ``gather``,
-padding, and the factories that make a tensor of a given size.
+reshapes, ``expand``, permutations, ``cat`` and ``stack``, slices, ``unbind`` and their
+backward, ``gather``, padding, and the factories that make a tensor of a given size.
 
 Reshapes link dimension ``i`` of the input to dimension ``j`` of the output when
 both start at the same flat offset (the product of the dimensions before them is
@@ -88,8 +88,19 @@ def _cat(call: OpCall) -> OpDims:
     return call.dims({"tensors": per}, [axes])
 
 
+def _stack(call: OpCall) -> OpDims:
+    """``stack`` along ``dim``: input dimension ``d`` is output dimension ``d``, or ``d + 1``
+    from ``dim`` on. The new dimension is a concatenation of whole inputs (one index per
+    input), so like ``cat``'s dimension it is no axis: a part cannot take half of a list."""
+    ndim = len(call.out)
+    dim = call.args["dim"] % ndim
+    per_input = tuple(d + 1 if d < dim else d + 2 for d in range(ndim - 1))
+    return call.dims({"tensors": [per_input] * len(call.args["tensors"])}, [identity(ndim, skip=(dim,))])
+
+
 def _slice(call: OpCall) -> OpDims:
-    """``slice``/``select`` and ``split`` pieces: every dimension but the cut one links."""
+    """``slice``/``select``, ``split`` pieces and ``unbind`` pieces: every dimension but the
+    cut one links (``select`` and ``unbind`` drop it, so the later ones move down by one)."""
     ndim = call.ndim("self")
     dim = call.args["dim"] % ndim
     out_ndim = len(call.out)
@@ -97,7 +108,7 @@ def _slice(call: OpCall) -> OpDims:
         axes = identity(ndim, skip=(dim,))
         return call.dims({"self": axes}, [axes] * len(call.node.outputs))
     inputs = tuple(None if d == dim else (d + 1 if d < dim else d) for d in range(ndim))
-    return call.dims({"self": inputs}, [identity(out_ndim)])
+    return call.dims({"self": inputs}, [identity(out_ndim)] * len(call.node.outputs))
 
 
 def _slice_backward(call: OpCall) -> OpDims:
@@ -155,7 +166,11 @@ LAYOUT_RULES: dict[Any, Rule] = {
     aten.expand.default: _expand,
     **dict.fromkeys([aten.permute.default, aten.transpose.int, aten.t.default], _permute),
     aten.cat.default: _cat,
-    **dict.fromkeys([aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default], _slice),
+    aten.stack.default: _stack,
+    **dict.fromkeys(
+        [aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int],
+        _slice,
+    ),
     **dict.fromkeys([aten.slice_backward.default, aten.select_backward.default], _slice_backward),
     aten.gather.default: _gather,
     aten.constant_pad_nd.default: _pad,

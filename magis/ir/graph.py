@@ -299,7 +299,8 @@ class Graph:
     def _write_after_read(self) -> tuple[tuple[str, str], ...]:
         """(reader, writer) for every node reading, through any view, a storage another node
         writes, unless what it reads is the writer's own result (an in-place op's output, or
-        a view of it: read after the write, by its data edge)."""
+        a view of it: read after the write, by its data edge), or the reader writes that
+        storage too (in-place adds into views of one gradient: their data edges order them)."""
         writers = self.writers
         if not writers:
             return ()
@@ -311,7 +312,9 @@ class Graph:
         for n in self.nodes:
             for p in n.inputs:
                 for key in self.storages[p]:
-                    edges.extend((n.name, w) for w in writers.get(key, ()) if w != n.name and w not in viewed[p])
+                    if n.name in writers.get(key, ()):
+                        continue
+                    edges.extend((n.name, w) for w in writers.get(key, ()) if w not in viewed[p])
         return tuple(dict.fromkeys(edges))
 
     @cached_property

@@ -1,5 +1,8 @@
 """Workloads of the MAGIS evaluation (§7.1) and of its seed systems, and random graphs for scheduler work (§7.3)."""
 
+from magis.models.convnets import CONVNET_WORKLOADS, VGG16, ClassificationTask, GoogLeNet, MobileNetV2
+from magis.models.irregular import IRREGULAR_WORKLOADS, DartsImageNet, RandWire, SwiftNetHPD
+from magis.models.nmt import NMT, NMT_WORKLOADS
 from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph, random_training_graph
 from magis.models.unet import UNet, UNetPlusPlus
 from magis.models.workloads import (
@@ -14,12 +17,23 @@ from magis.models.workloads import (
 from magis.models.zoo import ZOO, build_workload, get_workload
 
 __all__ = [
+    "CONVNET_WORKLOADS",
+    "IRREGULAR_WORKLOADS",
+    "NMT",
+    "NMT_WORKLOADS",
     "PRESETS",
+    "VGG16",
     "WORKLOADS",
     "ZOO",
     "Built",
+    "ClassificationTask",
+    "DartsImageNet",
+    "GoogLeNet",
     "HFTask",
+    "MobileNetV2",
+    "RandWire",
     "SegmentationTask",
+    "SwiftNetHPD",
     "UNet",
     "UNetPlusPlus",
     "Workload",

@@ -4,9 +4,17 @@ Serenity's irregularly wired networks)."""
 
 from __future__ import annotations
 
+from magis.models.convnets import CONVNET_WORKLOADS
+from magis.models.irregular import IRREGULAR_WORKLOADS
+from magis.models.nmt import NMT_WORKLOADS
 from magis.models.workloads import WORKLOADS, Built, Workload, fake_if
 
-ZOO: dict[str, Workload] = {**WORKLOADS}
+ZOO: dict[str, Workload] = {
+    **WORKLOADS,
+    **{w.name: w for w in CONVNET_WORKLOADS},
+    **{w.name: w for w in NMT_WORKLOADS},
+    **{w.name: w for w in IRREGULAR_WORKLOADS},
+}
 
 
 def get_workload(name: str) -> Workload:

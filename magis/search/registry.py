@@ -27,7 +27,17 @@ from typing import Literal
 
 from magis.analysis.ftree import FTree
 from magis.ir.graph import Graph
-from magis.rules import algebraic, compact, early_update, ftree_mutation, identity, in_place, remat, swap
+from magis.rules import (
+    algebraic,
+    compact,
+    early_update,
+    ftree_mutation,
+    identity,
+    in_place,
+    output_backward,
+    remat,
+    swap,
+)
 from magis.rules.rewrite import Rewrite
 
 TreeRule = Callable[[FTree], list[FTree]]
@@ -94,6 +104,7 @@ register_ftree_rule("disable", ftree_mutation.disable)
 register_ftree_rule("mutate", ftree_mutation.mutate)
 register_graph_rule("concat-conv", identity.concat_conv_rewrites)
 register_graph_rule("concat-depthwise", identity.concat_depthwise_rewrites)
+register_graph_rule("backward-from-output", output_backward.backward_from_outputs)
 register_graph_rule("in-place", in_place.in_place_rewrites)
 register_graph_rule("merge-matmuls", algebraic.merge_rewrites)
 register_graph_rule("split-matmuls", algebraic.split_rewrites)

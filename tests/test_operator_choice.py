@@ -1,6 +1,6 @@
-"""In-place activations (MONeT §3's operator choice, magis.rules.in_place): exact on every tiny
-workload where they apply, never where a reader needs the input, and lower peaks measured as
-simulated."""
+"""MONeT §3's operator choices: in-place activations (magis.rules.in_place) and activation
+backwards from their outputs (magis.rules.output_backward): exact on every tiny workload where
+they apply, never where a reader needs what they change, and lower peaks measured as simulated."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from magis.frontend.capture import capture, capture_forward
 from magis.ir.graph import Graph, writes
 from magis.models import ZOO
 from magis.rules.in_place import IN_PLACE, in_place, in_place_candidates, in_place_rewrites
+from magis.rules.output_backward import backward_from_outputs
 from magis.search.registry import rules
 
 #: tiny training workloads with activations that nothing but themselves read (ReLU after batch norm);
@@ -92,3 +93,37 @@ def test_the_search_takes_it_under_a_limit_only_in_place_meets():
     assert any(step.rule == "in-place" for step in plan.search.best.steps)
     with torch.no_grad():
         assert torch.equal(plan(x), model(x))
+
+
+def test_relu6_backward_from_its_output_drops_the_saved_copies_exactly():
+    """MobileNetV2's in-place ReLU6 makes the captured step clone every batch-norm output for the
+    backward; read from the ReLU6's output instead, the clones go, bit for bit, and then the
+    ReLU6s themselves can run in place."""
+    built = in_float64(ZOO["mobilenet-v2"].build("tiny", seed=0))
+    graph = capture(built.model, built.example_inputs, built.loss_fn)
+    (rewrite,) = backward_from_outputs(graph)
+    backwards = [n for n in rewrite.graph.nodes if n.target is torch.ops.aten.hardtanh_backward.default]
+    assert backwards and all(rewrite.graph[n.args[1].name].target is torch.ops.aten.hardtanh.default for n in backwards)
+    clones = sum(n.target is torch.ops.aten.clone.default for n in graph.nodes)
+    assert clones - sum(n.target is torch.ops.aten.clone.default for n in rewrite.graph.nodes) == len(backwards)
+    before = simulate_memory(graph, order(graph)).peak
+    after = simulate_memory(rewrite.graph, order(rewrite.graph)).peak
+    assert after < before
+    measured = measure_against_eager(rewrite.graph, order(rewrite.graph), built.model, built.example_inputs, None)
+    assert measured["max_grad_error"] == 0.0 and measured["measured_peak_bytes"] == after
+    assert not in_place_candidates(graph) and len(in_place_candidates(rewrite.graph)) == len(backwards)
+
+
+def test_leaky_relu_backward_from_its_output_is_exact_and_a_negative_slope_is_left_alone():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    for slope, applies in ((0.1, True), (-0.5, False)):
+        model = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(slope), nn.Linear(32, 4)).double()
+        graph = capture(model, (x,), lambda out: out.square().mean())
+        found = backward_from_outputs(graph)
+        assert bool(found) == applies
+        if applies:
+            measured = measure_against_eager(
+                found[0].graph, order(found[0].graph), model, (x,), lambda out: out.square().mean()
+            )
+            assert measured["max_grad_error"] == 0.0
