@@ -12,6 +12,7 @@ import time
 from contextlib import AbstractContextManager
 
 import pytest
+import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -83,7 +84,17 @@ def _steps(calls: dict[str, int]):
     }
 
 
-def test_rounds_continue_only_for_methods_whose_ratio_is_not_yet_precise():
+@pytest.fixture
+def one_thread():
+    """One torch thread: the protocol times on the process's CPU clock, which other jobs on the
+    machine (a parallel test worker) do not disturb, as they disturb the wall clock."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_rounds_continue_only_for_methods_whose_ratio_is_not_yet_precise(one_thread):
     calls: dict[str, int] = {}
     rounds = Rounds(repeats=3, warmup=1, max_repeats=6, precision=0.2)
     timings = interleaved_timings(_steps(calls), "ref", rounds)
