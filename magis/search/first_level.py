@@ -26,6 +26,7 @@ from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
 from magis.rules.early_update import early_updates
 from magis.rules.ftree_mutation import consistent
+from magis.rules.output_backward import backward_from_outputs
 from magis.search.ledger import Ledger
 from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
 from magis.search.single_fission import fission_numbers, separable_step
@@ -69,6 +70,8 @@ class FirstLevel:
         if separable is None:  # nothing to rewrite: the captured step is separable as it is
             separable = replace(initial, tree=step.tree)
         ledger.consider(separable, push=True)
+        if "backward-from-output" in self.rules:
+            separable = self._backward_from_outputs(separable)
         if "early-update" in self.rules:
             separable = self._early_updates(separable)
         roots = self._fissions(separable, roots=True)
@@ -85,6 +88,27 @@ class FirstLevel:
         self._fissions(separable, roots=False)
         for state in dived:  # where time is left (small graphs): every n the estimate passed over
             self._fissions(state, roots=True)
+
+    def _backward_from_outputs(self, separable: MState) -> MState:
+        """The separable step with its activations' backwards reading their outputs
+        (:mod:`magis.rules.output_backward`) as the base of the rest of the first level: the
+        same values from fewer saved tensors, so every plan after it starts lower (the main
+        loop, which would find it too, may never be reached on a large step). ``separable``
+        where the rule finds nothing or the result peaks higher."""
+        for rewrite in backward_from_outputs(separable.base):
+            order = tuple(n for n in separable.base_order if n in rewrite.graph.index)
+            profile = simulate_memory(rewrite.graph, order)
+            touched = changed_nodes(separable.base, rewrite.graph)
+            tree = update_ftree(separable.tree, rewrite.graph, profile, touched, self.levels)
+            if not consistent(tree):
+                continue
+            step = (Step("backward-from-output", rewrite.description),)
+            state = self.ledger.evaluate(separable, Mutation(rewrite.graph, order, tree, rewrite.graph, order, step))
+            if state is not None:
+                self.ledger.consider(state, push=True)
+                if state.peak_bytes <= separable.peak_bytes:
+                    return state
+        return separable
 
     def _early_updates(self, separable: MState) -> MState:
         """The separable step with its optimizer's updates split early (:mod:`magis.rules.early_update`)
