@@ -18,6 +18,27 @@ def private_latency_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     patch.undo()
 
 
+def _torch_threads(n: int) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread_module() -> Iterator[None]:
+    """One torch thread for a whole test file: tiny models run faster on one thread, above all
+    on a shared, busy machine (``pytestmark = pytest.mark.usefixtures("one_thread_module")``)."""
+    yield from _torch_threads(1)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread for one test: the yardstick's protocol then times on the process's CPU
+    clock, which other jobs on the machine (a parallel test worker) do not disturb."""
+    yield from _torch_threads(1)
+
+
 class ConvNet(nn.Module):
     """Conv + BatchNorm + ReLU + Dropout + Linear: buffers, a random op, views."""
 

@@ -16,6 +16,7 @@ from weakref import WeakKeyDictionary
 import pytest
 import torch
 from test_fission import SEED, eager_reference, in_float64
+from test_scheduling_rules import ReluDropoutMLP
 from torch import nn
 
 from magis.backend.eager import buffers_snapshot, max_relative_error, restore_buffers
@@ -131,27 +132,13 @@ def test_predrawn_masks_are_packed_after_their_forward_reader_or_where_drawn(ber
         assert bool_hotspots(rewrite.graph, rewrite.order) == 0
 
 
-class ReluDropoutMLP(nn.Module):
-    """Blocks of linear -> relu -> dropout at odd widths: relu's output is read after the peak
-    only by its backward (Echo's ReLU mask applies), and no mask fills whole bytes per row."""
-
-    def __init__(self, blocks: int = 3, width: int = 13) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-        self.drop = nn.Dropout(0.25)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = self.drop(torch.relu(layer(x)))
-        return x.square().mean()
-
-
 def test_relu_sign_masks_and_odd_sized_dropout_masks_are_packed():
     """The ReLU rule keeps a bool mask (1 byte an element) of each ReLU; the bit rule then packs
     those and the dropout masks, 61 x 13 = 793 elements each (padded to 800: 100 bytes). Each
     step of the way runs like eager bit for bit and the measured peak equals the simulated."""
     torch.manual_seed(0)
-    built = Built(ReluDropoutMLP().double(), (torch.randn(61, 13, dtype=torch.float64),))
+    model = ReluDropoutMLP(width=13).double()  # odd widths: no mask fills whole bytes per row
+    built = Built(model, (torch.randn(61, 13, dtype=torch.float64),))
     graph = capture(built.model, built.example_inputs, built.loss_fn)
     start = Timeline.of(graph).peak
     while relu := [r for r in compact(graph) if "ReLU backward" in r.description]:

@@ -21,13 +21,7 @@ PAPER_INPUTS = {"darts-imagenet": 224, "swiftnet-hpd": 128, "randwire-cifar10": 
 CLASSES = {"darts-imagenet": 1000, "swiftnet-hpd": 2, "randwire-cifar10": 10, "randwire-cifar100": 100}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, above all on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def test_the_zoo_holds_the_four_as_inference_workloads():

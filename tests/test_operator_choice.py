@@ -28,12 +28,7 @@ def order(graph: Graph) -> list[str]:
     return [n.name for n in graph.nodes]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.mark.parametrize("name", [n for n in APPLIES if n in ZOO])

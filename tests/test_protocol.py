@@ -12,7 +12,6 @@ import time
 from contextlib import AbstractContextManager
 
 import pytest
-import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -82,16 +81,6 @@ def _steps(calls: dict[str, int]):
         "same": step("same", lambda _n: 0.002),
         "noisy": step("noisy", lambda n: 0.001 if n % 2 else 0.03),
     }
-
-
-@pytest.fixture
-def one_thread():
-    """One torch thread: the protocol times on the process's CPU clock, which other jobs on the
-    machine (a parallel test worker) do not disturb, as they disturb the wall clock."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_rounds_continue_only_for_methods_whose_ratio_is_not_yet_precise(one_thread):

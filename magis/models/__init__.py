@@ -1,6 +1,6 @@
 """Workloads of the MAGIS evaluation (§7.1) and of its seed systems, and random graphs for scheduler work (§7.3)."""
 
-from magis.models.convnets import CONVNET_WORKLOADS, VGG16, ClassificationTask, GoogLeNet, MobileNetV2
+from magis.models.convnets import CONVNET_WORKLOADS, VGG16, GoogLeNet, MobileNetV2
 from magis.models.irregular import IRREGULAR_WORKLOADS, DartsImageNet, RandWire, SwiftNetHPD
 from magis.models.nmt import NMT, NMT_WORKLOADS
 from magis.models.random_graphs import random_nasnet_graph, random_randwire_graph, random_training_graph
@@ -9,8 +9,8 @@ from magis.models.workloads import (
     PRESETS,
     WORKLOADS,
     Built,
+    CrossEntropyTask,
     HFTask,
-    SegmentationTask,
     Workload,
     fake_if,
 )
@@ -26,13 +26,12 @@ __all__ = [
     "WORKLOADS",
     "ZOO",
     "Built",
-    "ClassificationTask",
+    "CrossEntropyTask",
     "DartsImageNet",
     "GoogLeNet",
     "HFTask",
     "MobileNetV2",
     "RandWire",
-    "SegmentationTask",
     "SwiftNetHPD",
     "UNet",
     "UNetPlusPlus",

@@ -27,7 +27,7 @@ their papers' architecture tables, in the form torchvision gives them:
 
 Each takes ``divisor``: every channel count of the tables is divided by it (at least one
 channel), so the ``tiny`` presets keep the topology at a fraction of the width. The
-workloads train with cross-entropy on random labels (:class:`ClassificationTask`).
+workloads train with cross-entropy on random labels (:class:`~magis.models.workloads.CrossEntropyTask`).
 
 ======================  =====  ==============================================
 workload                batch  configuration (preset ``paper``, MONeT §5)
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from magis.models.workloads import Built, Workload
+from magis.models.workloads import Built, CrossEntropyTask, Workload
 
 #: VGG configuration D: the convolutions' output channels, stage by stage (each stage then max-pools)
 VGG16_STAGES = ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512), (512, 512, 512))
@@ -84,17 +84,6 @@ def _narrow(channels: int, divisor: int) -> int:
     if divisor <= 0:
         raise ValueError(f"divisor must be positive, got {divisor}")
     return max(1, channels // divisor)
-
-
-class ClassificationTask(nn.Module):
-    """An image classifier trained with cross-entropy: ``forward(images, labels) -> loss``."""
-
-    def __init__(self, network: nn.Module) -> None:
-        super().__init__()
-        self.network = network
-
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.network(images), labels)
 
 
 class VGGStage(nn.Sequential):
@@ -265,7 +254,7 @@ class GoogLeNet(nn.Module):
 def _classification(network: nn.Module, sizes: dict, batch: int) -> Built:
     images = torch.randn(batch, 3, sizes["image"], sizes["image"])
     labels = torch.randint(0, sizes["classes"], (batch,), dtype=torch.int64)
-    return Built(ClassificationTask(network), (images, labels))
+    return Built(CrossEntropyTask(network), (images, labels))
 
 
 def _build_vgg16(sizes: dict, batch: int) -> Built:

@@ -171,15 +171,16 @@ class HFTask(nn.Module):
         return self.model(**dict(zip(self.input_names, inputs, strict=True))).loss
 
 
-class SegmentationTask(nn.Module):
-    """A segmentation network trained with per-pixel cross-entropy: ``forward(images, masks) -> loss``."""
+class CrossEntropyTask(nn.Module):
+    """A network trained with cross-entropy against integer targets, class labels (an image
+    classifier) or per-pixel masks (a segmentation network): ``forward(images, targets) -> loss``."""
 
     def __init__(self, network: nn.Module) -> None:
         super().__init__()
         self.network = network
 
-    def forward(self, images: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.network(images), masks)
+    def forward(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.network(images), targets)
 
 
 class MissingDependency(RuntimeError):
@@ -285,7 +286,7 @@ def _build_vit(sizes: dict, batch: int) -> Built:
 
 def _segmentation(network: nn.Module, sizes: dict, batch: int) -> Built:
     masks = torch.randint(0, sizes["classes"], (batch, sizes["image"], sizes["image"]), dtype=torch.int64)
-    return Built(SegmentationTask(network), (_images(network, batch, sizes["image"]), masks))
+    return Built(CrossEntropyTask(network), (_images(network, batch, sizes["image"]), masks))
 
 
 def _build_unet(sizes: dict, batch: int) -> Built:
