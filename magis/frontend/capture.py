@@ -183,13 +183,7 @@ def capture_timed(
     start = time.perf_counter()
     example_inputs = spec.tensors(as_batch(batch))
     try:
-        with (
-            _without_stack_traces(),
-            traced_as_by_compile(),
-            ExactRNNs(model),  # nn.LSTM/GRU/RNN as eager runs them, inter-layer dropout included
-            FusedAttentionMasks() if _on_cuda(model) else contextlib.nullcontext(),
-            planning_mode(model, example_inputs) as inputs,
-        ):
+        with _tracing(model, example_inputs) as inputs:
             try:
                 gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
             except AssertionError as err:
@@ -220,14 +214,7 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
     start = time.perf_counter()
     example_inputs = spec.tensors(as_batch(batch))
     try:
-        with (
-            _without_stack_traces(),
-            traced_as_by_compile(),
-            ExactRNNs(model),
-            FusedAttentionMasks() if _on_cuda(model) else contextlib.nullcontext(),
-            planning_mode(model, example_inputs) as inputs,
-            torch.no_grad(),
-        ):
+        with _tracing(model, example_inputs) as inputs, torch.no_grad():
             gm, sig = aot_export_module(step, inputs, trace_joint=False)
     except CaptureError:
         raise
@@ -236,6 +223,20 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start, step.output_spec)
+
+
+@contextlib.contextmanager
+def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[tuple[Any, ...]]:
+    """What every trace of the user's model runs under; yields the inputs to trace with
+    (:func:`planning_mode`)."""
+    with (
+        _without_stack_traces(),
+        traced_as_by_compile(),
+        ExactRNNs(model),  # nn.LSTM/GRU/RNN as eager runs them, inter-layer dropout included
+        FusedAttentionMasks() if _on_cuda(model) else contextlib.nullcontext(),
+        planning_mode(model, example_inputs) as inputs,
+    ):
+        yield inputs
 
 
 @contextlib.contextmanager

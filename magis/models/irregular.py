@@ -42,22 +42,21 @@ here, so the sizes above follow the networks' own papers, not that table.
 ``paper`` presets run batch 1 at the paper's input size, as Serenity schedules inference
 on edge devices; ``small`` is the same network at a batch whose forward holds 0.1-1 GiB
 of live tensors (figures beside :data:`IRREGULAR_WORKLOADS`); ``tiny`` shrinks channels
-and images for unit tests. RandWire draws its graphs with ``networkx``, imported when a
-RandWire network is first built (magis itself runs without it).
+and images for unit tests. RandWire draws its graphs with ``networkx`` (the ``models``
+extra; torch depends on it too).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import operator
 from collections.abc import Sequence
-from types import ModuleType
 
+import networkx
 import torch
 from torch import nn
 
-from magis.models.workloads import Built, MissingDependency, Workload
+from magis.models.workloads import Built, Workload
 
 # ---------------------------------------------------------------------------------------------
 # Shared layers
@@ -312,20 +311,10 @@ class SwiftNetHPD(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def networkx_module() -> ModuleType:
-    """``networkx``, imported when a RandWire network is first built: magis itself runs without it."""
-    try:
-        return importlib.import_module("networkx")
-    except ImportError as err:
-        raise MissingDependency(
-            "RandWire draws its graphs with networkx, which is not installed: pip install networkx"
-        ) from err
-
-
 def ws_dag(nodes: int, k: int, p: float, seed: int) -> tuple[tuple[int, int], ...]:
     """The edges of ``networkx.connected_watts_strogatz_graph(nodes, k, p, seed=seed)``, each
     oriented from its lower node index to its higher: a DAG (Xie et al. §3.3), sorted."""
-    graph = networkx_module().connected_watts_strogatz_graph(nodes, k, p, tries=100, seed=seed)
+    graph = networkx.connected_watts_strogatz_graph(nodes, k, p, tries=100, seed=seed)
     return tuple(sorted((min(u, v), max(u, v)) for u, v in graph.edges()))
 
 
