@@ -8,7 +8,7 @@ from test_fission import assert_runs_like_eager, captured, in_float64
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
-from magis.cost.latency import cost_model, estimate_latency
+from magis.cost.latency import estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.models import WORKLOADS
 from magis.schedule import schedule
@@ -117,10 +117,9 @@ def test_magis_optimize_lat_method_keeps_its_latency_limit_and_eagers_gradients(
     _, reference = measure_peak(eager.step, resident_tensors(eager.built.model, eager.built.example_inputs))
     method = METHODS["magis-optimize-lat"]
     graph, order = method.simulate(subject, 1.1)
-    model = cost_model("cpu")
+    _, baseline_s = magis_methods.captured_simulated(subject)  # priced by the search's model, as above
+    assert estimate_latency(graph, order, magis_methods.search_model(subject)).total_s <= 1.1 * baseline_s
     captured = [n.name for n in subject.graph.nodes]
-    baseline_s = estimate_latency(subject.graph, captured, model).total_s
-    assert estimate_latency(graph, order, model).total_s <= 1.1 * baseline_s
     assert simulate_memory(graph, order).peak <= simulate_memory(subject.graph, captured).peak
     runnable = method.real(subject, 1.1)
     _, result = measure_peak(runnable.step, resident_tensors(subject.built.model, subject.inputs))
