@@ -6,15 +6,22 @@ step's simulated peak), run as a user runs it (``loss = plan(*batch)``), against
 eager step of the same model and batch: measured peak (the meter of
 :mod:`magis.backend.meter`: live tensor bytes on CPU, ``max_memory_allocated`` on
 CUDA) and step time (median of ``--runs``), gradients compared with eager's, and the
-plan's simulated peak and latency. Writes JSON.
+plan's simulated peak and latency. On CUDA each plan runs twice: replayed as a CUDA graph
+(the default; ``graphs``: its step time, the pool it holds, its first call's peak) and
+launch by launch (``cuda_graphs=False``). ``--compile-peer`` adds ``torch.compile``'s step
+(``compile@1``: the default activation budget) beside eager, after every plan, so that the
+plans' rows come first. Writes JSON after each workload.
 
     python experiments/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
-                             [--limits 0.8,0.6] [--time-budget 60] [--out results/plan_run.json]
+                             [--limits 0.8,0.6] [--time-budget 60] [--compile-peer]
+                             [--out results/plan_run.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -75,6 +82,8 @@ def measure_workload(name: str, preset: str, device: torch.device, limits: list[
             rows.append({"memory_limit": limit, "infeasible": str(err)})
             continue
         search_s = time.perf_counter() - start
+        graphs = _replayed(plan, model, batch, reference, eager, args) if device.type == "cuda" else None
+        plan = dataclasses.replace(plan, cuda_graphs=False)  # launch by launch (on a CPU: as it always runs)
         with peak_meter(model, batch) as meter:
             torch.manual_seed(0)
             gradients = _plan_step(plan, model, batch)
@@ -94,10 +103,73 @@ def measure_workload(name: str, preset: str, device: torch.device, limits: list[
                 "max_grad_error": versus.max_error if versus.same_names else None,
                 "gradient_mismatch": None if versus.same_names else versus.describe(),
                 "transformations": {k: len(v) for k, v in report["transformations"].items()},
+                "graphs": graphs,
             }
         )
+        del plan
+        _release(device)
         print(f"  {name} @ {limit}: {rows[-1]}", file=sys.stderr, flush=True)
     return {"model": name, "preset": preset, "device": str(device), "eager": eager, "plans": rows}
+
+
+def _replayed(plan: magis.Plan, model: torch.nn.Module, batch: tuple, reference: Any, eager: dict, args: Any) -> dict:
+    """The plan replayed as a CUDA graph: its first call (the capture) metered, its gradients
+    against eager's, its step time, and what the graph's pool holds."""
+    device = next(model.parameters()).device
+    with peak_meter(model, batch) as meter:
+        torch.manual_seed(0)
+        gradients = _plan_step(plan, model, batch)
+    versus = compare_gradients({**reference.gradients, "<loss>": reference.loss}, gradients)
+    step_s = _timed(lambda: _plan_step(plan, model, batch), args.runs, device)
+    with peak_meter(model, batch) as replay:
+        _plan_step(plan, model, batch)
+    graph = plan.report().runtime.get("cuda_graph", {})
+    return {
+        "captured": graph.get("captured"),
+        "fallback": graph.get("fallback"),
+        "pool_bytes": graph.get("pool_bytes"),
+        "first_call_peak_bytes": meter.peak_bytes,
+        "replay_call_peak_bytes": replay.peak_bytes,
+        "measured_step_ratio": step_s / eager["step_s"],
+        "max_grad_error": versus.max_error if versus.same_names else None,
+    }
+
+
+def measure_compiled(name: str, preset: str, device: torch.device, args: Any) -> dict[str, Any]:
+    """``torch.compile``'s step of the workload (default activation budget: ``compile@1``) beside
+    eager's, on a fresh copy of the model: step time (median, after the compiling call) and peak."""
+    built = WORKLOADS[name].build(preset)
+    model = built.model.to(device)
+    batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
+    eager_s = _timed(lambda: eager_step(model, batch, built.loss_fn), args.runs, device)
+    with peak_meter(model, batch) as eager_meter:
+        eager_step(model, batch, built.loss_fn)
+    compiled = torch.compile(model)
+    start = time.perf_counter()
+    eager_step(compiled, batch, built.loss_fn)
+    compile_s = time.perf_counter() - start
+    step_s = _timed(lambda: eager_step(compiled, batch, built.loss_fn), args.runs, device)
+    with peak_meter(model, batch) as meter:
+        eager_step(compiled, batch, built.loss_fn)
+    row = {
+        "model": name,
+        "eager_step_s": eager_s,
+        "eager_peak_bytes": eager_meter.peak_bytes,
+        "compile_s": compile_s,
+        "step_s": step_s,
+        "step_ratio": step_s / eager_s,
+        "peak_bytes": meter.peak_bytes,
+        "peak_ratio": meter.peak_bytes / eager_meter.peak_bytes,
+    }
+    print(f"  {name} compile@1: {row}", file=sys.stderr, flush=True)
+    return row
+
+
+def _release(device: torch.device) -> None:
+    """Give back what the last workload held, so the next one is measured alone."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -109,15 +181,27 @@ def main() -> None:
     parser.add_argument("--limits", default="0.8,0.6", help="memory limits, fractions of the captured step's peak")
     parser.add_argument("--time-budget", type=float, default=60.0)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--compile-peer", action="store_true", help="also time torch.compile's step (compile@1)")
     parser.add_argument("--out", default="results/plan_run.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     limits = [float(x) for x in args.limits.split(",")]
-    results = []
-    for name in args.models.split(","):
+    payload: dict[str, Any] = {"device": _device_name(device), "workloads": [], "compile@1": []}
+    names = args.models.split(",")
+    for name in names:
         print(f"{name} ({args.preset}, {device})", file=sys.stderr, flush=True)
-        results.append(measure_workload(name, args.preset, device, limits, args))
-    print(f"wrote {write_json(args.out, {'workloads': results})}")
+        payload["workloads"].append(measure_workload(name, args.preset, device, limits, args))
+        write_json(args.out, payload)  # a run cut short keeps what it measured
+        _release(device)
+    for name in names if args.compile_peer else ():
+        payload["compile@1"].append(measure_compiled(name, args.preset, device, args))
+        write_json(args.out, payload)
+        _release(device)
+    print(f"wrote {args.out}")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

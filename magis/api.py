@@ -18,9 +18,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from magis.backend.codegen import GeneratedStep
 from magis.backend.eager import compare_gradients
-from magis.backend.runtime import Runtime
+from magis.backend.runtime import Runtime, StepRunner
 from magis.backend.verify import Verification, forked_rng, run_both, verify_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
@@ -135,7 +134,7 @@ def measure_against_eager(
     seed: int = 0,
     *,
     training_step: TrainingStep | None = None,
-    runtime: Runtime | GeneratedStep = "generated",
+    runtime: Runtime | StepRunner = "generated",
 ) -> dict[str, Any]:
     """Run the step twice from the same state and seed: eager PyTorch, then the magis runtime
     (``runtime``: generated code, the interpreter, or a plan's own step such as ``plan.compiled``).
@@ -188,6 +187,7 @@ def optimize(
     max_grad_norm: float | None = None,
     compile: bool = False,
     inference: bool = False,
+    cuda_graphs: bool = True,
 ) -> Plan:
     """Capture the training step and search for the plan MAGIS Algorithm 3 finds best.
 
@@ -236,6 +236,9 @@ def optimize(
     the first call; ``plan.runtime`` is ``"compiled"``), and an analytic ``device`` profile then
     prices chains of pointwise ops as the fused kernels they become
     (:attr:`~magis.cost.latency.AnalyticCostModel.fused`), the captured step's latency included.
+    On CUDA the step is captured once as a CUDA graph and replayed at each call
+    (:mod:`magis.backend.cuda_graph`; ``plan.report().runtime["cuda_graph"]`` says whether, and
+    what its memory pool holds); ``cuda_graphs=False`` runs it launch by launch.
 
     ``inference=True`` plans the forward alone (:func:`~magis.frontend.capture.capture_forward`:
     no gradients, the submodules in their modes, so call ``model.eval()`` first for evaluation):
@@ -248,6 +251,8 @@ def optimize(
         raise ValueError(f"compile is True or False, got {compile!r}")
     if not isinstance(inference, bool):
         raise ValueError(f"inference is True or False, got {inference!r}")
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs is True or False, got {cuda_graphs!r}")
     model = user_model(model)
     step = UserStep(loss_fn, training_step)  # bad input fails before the capture
     spec = BatchSpec.of(batch)
@@ -312,6 +317,7 @@ def optimize(
         optimizer=optimizer,
         max_grad_norm=max_grad_norm,
         runtime="compiled" if compile else "generated",
+        cuda_graphs=cuda_graphs,
         output_spec=output_spec,
     )
     if not objective.met_by(best):  # the near miss goes with the error

@@ -28,6 +28,7 @@ captured order, what the magis runtime does without optimization.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -38,8 +39,9 @@ import torch.utils._pytree as pytree
 
 from magis.backend.codegen import GeneratedStep, generate
 from magis.backend.compiled import compiled_segments
+from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
-from magis.backend.runtime import RUNTIMES, Runtime, run_program
+from magis.backend.runtime import RUNTIMES, Runtime, StepRunner, run_program
 from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
@@ -127,6 +129,7 @@ class Plan:
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)  # the user's, stepped by each call
     max_grad_norm: float | None = None  # clipping before the update
     runtime: PlanRuntime = "generated"  # how the step runs: one of PLAN_RUNTIMES
+    cuda_graphs: bool = True  # on CUDA, replay the step as a CUDA graph (magis.backend.cuda_graph)
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)  # an inference plan's output structure
 
     @cached_property
@@ -188,13 +191,38 @@ class Plan:
             result = run_program(self.program, self.model, inputs, runtime=self._runner())
         return pytree.tree_unflatten(list(result.outputs), self.output_spec)
 
-    def _runner(self) -> Runtime | GeneratedStep:
-        """What runs the bound step: the generated code or its compiled form (made once), or the interpreter."""
+    def _runner(self) -> Runtime | StepRunner:
+        """What runs the bound step: the generated code or its compiled form (made once), replayed
+        as a CUDA graph on CUDA unless ``cuda_graphs`` is off, or the interpreter."""
         if self.runtime not in PLAN_RUNTIMES:
             raise ValueError(f"runtime {self.runtime!r} is not one of {', '.join(PLAN_RUNTIMES)}")
-        if self.runtime == "compiled":
-            return self.compiled
-        return self.generated if self.runtime == "generated" else self.runtime
+        if self.runtime == "interpreted":
+            return self.runtime
+        step = self.compiled if self.runtime == "compiled" else self.generated
+        if not (self.cuda_graphs and self.on_cuda):
+            return step
+        if self.runtime not in self._replayed:
+            self._replayed[self.runtime] = CudaGraphStep(step, self.graph.signature.user_inputs, self._graph_limit())
+        return self._replayed[self.runtime]
+
+    def _graph_limit(self) -> int | None:
+        """What a CUDA graph of the step may hold beside the resident tensors: the memory limit
+        (+2%, the tolerance of a measured peak) less the resident bytes; None in latency mode."""
+        if self.objective.memory_bytes is None:
+            return None
+        resident = simulate_memory(self.graph, self.order).persistent_bytes
+        return int(1.02 * self.objective.memory_bytes) - resident
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the model's tensors are on a CUDA device (its first parameter or buffer says)."""
+        first = next(itertools.chain(self.model.parameters(), self.model.buffers()), None)
+        return first is not None and first.is_cuda
+
+    @cached_property
+    def _replayed(self) -> dict[PlanRuntime, CudaGraphStep]:
+        """The step of each runtime replayed as a CUDA graph (made at its first call)."""
+        return {}
 
     def save(self, path: str | Path) -> Path:
         """Write the plan to ``path`` (:mod:`magis.plan_file`; not the model's weights), atomically:
@@ -253,6 +281,17 @@ class Plan:
                 for s in segments
                 if s.fallback is not None
             ]
+        replayed = self._replayed.get(self.runtime)
+        if replayed is not None:
+            summary["cuda_graph"] = {
+                "captured": replayed.fallback is None and replayed.captures > 0,
+                "captures": replayed.captures,
+                "pool_bytes": replayed.pool_bytes,
+                "fallback": replayed.fallback,
+            }
+        elif self.on_cuda and self.runtime != "interpreted":
+            why = "not run yet" if self.cuda_graphs else "off (cuda_graphs=False)"
+            summary["cuda_graph"] = {"captured": False, "fallback": why}
         return summary
 
     def plot(self, path: str | Path) -> Path:
@@ -296,7 +335,9 @@ def generated_step(program: Program, compile: bool = False) -> GeneratedStep:
 
 #: what a plan file holds: every field but the model and optimizer (the caller's), the cost model (made
 #: anew) and the runtime (how this process runs it)
-_SAVED_FIELDS = tuple(f.name for f in fields(Plan) if f.name not in ("model", "cost_model", "optimizer", "runtime"))
+_SAVED_FIELDS = tuple(
+    f.name for f in fields(Plan) if f.name not in ("model", "cost_model", "optimizer", "runtime", "cuda_graphs")
+)
 
 
 def load_plan(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Plan:

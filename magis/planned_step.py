@@ -44,7 +44,7 @@ from magis.plan_file import versions
 #: plans kept in memory by default
 DEFAULT_MAX_PLANS = 8
 #: options of :func:`magis.optimize` that do not change the plan it finds
-_NOT_IN_KEY = frozenset({"progress"})
+_NOT_IN_KEY = frozenset({"progress", "cuda_graphs"})
 
 
 def planned(
@@ -135,7 +135,9 @@ class PlannedStep:
             except ValueError as err:
                 warnings.warn(f"magis: planning again, {err}", stacklevel=3)
             else:
-                self.loaded += 1
+                self.loaded += 1  # a plan file holds no runtime: it runs as this step's options say
+                plan.runtime = "compiled" if self.options.get("compile") else "generated"
+                plan.cuda_graphs = self.options.get("cuda_graphs", True)
                 return plan
         plan = optimize(self.model, batch, **step, **self.options, optimizer=self.optimizer)
         self.searches += 1

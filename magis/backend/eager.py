@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -151,6 +151,7 @@ class GradientComparison:
     missing: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
     worst: str | None = None
+    errors: dict[str, float] = field(default_factory=dict)  # each common name's relative difference
 
     @property
     def same_names(self) -> bool:
@@ -178,16 +179,21 @@ def compare_gradients(
     largest = max((t.detach().abs().max().item() for t in reference.values() if t.numel()), default=0.0)
     floor = max(noise_floor * largest, 1e-30)
     worst, worst_name = 0.0, None
+    errors: dict[str, float] = {}
     for k, ref in reference.items():
         if k not in other or not ref.numel():
             continue
         ref = ref.detach().double()
         diff = (other[k].detach().double() - ref).abs().max().item()
-        error = diff / max(ref.abs().max().item(), floor)
+        errors[k] = error = diff / max(ref.abs().max().item(), floor)
         if error > worst or error != error:  # a NaN is the worst of all
             worst, worst_name = error, k
     return GradientComparison(
-        worst, tuple(sorted(set(reference) - set(other))), tuple(sorted(set(other) - set(reference))), worst_name
+        worst,
+        tuple(sorted(set(reference) - set(other))),
+        tuple(sorted(set(other) - set(reference))),
+        worst_name,
+        errors,
     )
 
 

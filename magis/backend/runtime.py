@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from magis.backend.codegen import GeneratedStep, generate
+from magis.backend.codegen import generate
 from magis.backend.interpreter import execute
 from magis.backend.program import Program, lower
 from magis.frontend.optimizer import bound_optimizer_inputs
@@ -26,6 +26,10 @@ from magis.ir.graph import Graph, Node, Ref, map_refs
 #: instruction by instruction (:mod:`magis.backend.interpreter`, slower)
 Runtime = Literal["generated", "interpreted"]
 RUNTIMES: tuple[Runtime, ...] = ("generated", "interpreted")
+#: a program's step made once and run on each call's bound ``env``, adding the graph's outputs
+#: to it: a :class:`~magis.backend.codegen.GeneratedStep`, or one replayed as a CUDA graph
+#: (:class:`~magis.backend.cuda_graph.CudaGraphStep`)
+StepRunner = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class RuntimeBindError(ValueError):
@@ -117,7 +121,7 @@ def run_step(
     example_inputs: Sequence[Any],
     order: Sequence[str] | None = None,
     apply_buffer_updates: bool = True,
-    runtime: Runtime | GeneratedStep = "generated",
+    runtime: Runtime | StepRunner = "generated",
 ) -> StepResult:
     """Run one training step of ``graph`` on ``model``'s tensors in ``order`` (``runtime``: as
     :func:`run_program` says; a generated step must be of this graph in this order)."""
@@ -131,14 +135,14 @@ def run_program(
     example_inputs: Sequence[Any],
     apply_buffer_updates: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
-    runtime: Runtime | GeneratedStep = "generated",
+    runtime: Runtime | StepRunner = "generated",
 ) -> StepResult:
     """Run an already lowered program (see :func:`lower`); ``optimizer`` is the one whose
     update the graph holds, if it holds one. ``runtime`` names how it runs, or is the
-    program's generated step, made once by the caller who runs it many times."""
+    program's step made once (:data:`StepRunner`) by the caller who runs it many times."""
     graph = program.graph
     env = bind(graph, model, example_inputs, optimizer)
-    if isinstance(runtime, GeneratedStep):
+    if callable(runtime):
         runtime(env)
     elif runtime == "interpreted":
         execute(program, env)

@@ -78,16 +78,24 @@ class TransferStreams:
     """The side stream of one CUDA step and the Loads it has not waited for yet."""
 
     device: torch.device
+    #: pinned host memory kept per Store node from step to step (a CUDA graph's replays copy
+    #: into the host memory its capture recorded, :mod:`magis.backend.cuda_graph`); None: each
+    #: step allocates its own
+    host_buffers: dict[str, torch.Tensor] | None = None
     side: torch.cuda.Stream = field(init=False)
     pending: dict[str, torch.cuda.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.side = torch.cuda.Stream(self.device)
 
-    def store(self, x: torch.Tensor) -> torch.Tensor:
+    def store(self, x: torch.Tensor, name: str | None = None) -> torch.Tensor:
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
-            host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=True)
+            host = self.host_buffers.get(name) if self.host_buffers is not None else None
+            if host is None:
+                host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=True)
+                if self.host_buffers is not None and name is not None:
+                    self.host_buffers[name] = host
             host.copy_(x, non_blocking=True)
         x.record_stream(self.side)
         HOST_POOL.hold(host)
@@ -104,7 +112,7 @@ class TransferStreams:
 
     def run(self, name: str, transfer: Store | Load, value: torch.Tensor) -> torch.Tensor:
         """Issue Store or Load node ``name``; a Load's readers will wait for this point of the side stream."""
-        result = transfer(value, self)
+        result = self.store(value, name) if isinstance(transfer, Store) else transfer(value, self)
         if isinstance(transfer, Load):
             self.pending[name] = self.side.record_event()
         return result

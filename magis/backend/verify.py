@@ -20,7 +20,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from magis.backend.codegen import GeneratedStep
 from magis.backend.eager import (
     GRADIENT_TOLERANCE,
     NOISE_FLOOR,
@@ -33,7 +32,7 @@ from magis.backend.eager import (
     slice_batch,
 )
 from magis.backend.meter import peak_meter
-from magis.backend.runtime import Runtime, StepResult, run_step
+from magis.backend.runtime import Runtime, StepResult, StepRunner, run_step
 from magis.frontend.capture import capture, capture_forward
 from magis.frontend.conditions import autocast_off, autocast_state
 from magis.frontend.fx_graph import draws_random_numbers
@@ -75,7 +74,7 @@ def run_both(
     step: UserStep,
     seed: int = 0,
     measure: bool = False,
-    runtime: Runtime | GeneratedStep = "generated",
+    runtime: Runtime | StepRunner = "generated",
 ) -> BothSteps:
     """Eager's step, then ``graph`` in ``order`` (autocast off: it holds its casts) run as
     ``runtime`` says (:func:`~magis.backend.runtime.run_program`), each from ``seed`` and the
@@ -134,18 +133,35 @@ def compare_steps(both: BothSteps, precision: torch.dtype) -> tuple[float, Gradi
 
 def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int = 0) -> Verification:
     """Check ``graph`` against eager on ``batch`` (module docstring): the verification, or
-    :class:`CaptureMismatch`."""
+    :class:`CaptureMismatch`.
+
+    On CUDA both steps run without TF32 (:func:`exact_float32`), and a difference is allowed
+    up to :data:`EAGER_NOISE_MARGIN` times eager's own from one run to the next (atomic adds
+    in a convolution's backward make it nondeterministic; a gradient whose terms cancel, a
+    convolution bias before batch norm, turns that noise into large relative differences)."""
     precision = step_precision(model)
     tolerance = GRADIENT_TOLERANCE.get(precision, GRADIENT_TOLERANCE[torch.float32])
-    loss, comparison = compare_steps(run_both(graph, None, model, batch, step, seed), precision)
-    largest = max(loss, comparison.max_error)
+    with exact_float32(model):
+        both = run_both(graph, None, model, batch, step, seed)
+        loss, comparison = compare_steps(both, precision)
+        largest = max(loss, comparison.max_error)
+        noise = None
+        if comparison.same_names and largest > tolerance and on_cuda(model):
+            noise = compare_steps(_against_eager_again(graph, model, batch, step, seed, both), precision)
     inference = graph.signature.inference
+    what = "outputs and buffer updates" if inference else "loss, gradients and buffer updates"
     if comparison.same_names and largest <= tolerance:
-        what = "outputs and buffer updates" if inference else "loss, gradients and buffer updates"
         return Verification(
             True,
             f"{what} equal eager PyTorch's within {tolerance:g} ({precision}; "
             f"largest relative difference {largest:.2g})",
+        )
+    if noise is not None and _within_noise(loss, comparison, *noise, tolerance):
+        return Verification(
+            True,
+            f"{what} equal eager PyTorch's within {tolerance:g} ({precision}) or within {EAGER_NOISE_MARGIN:g} "
+            f"times eager's own difference from one run to the next on CUDA (largest relative difference "
+            f"{largest:.2g}, eager's own up to {max(noise[0], noise[1].max_error):.2g})",
         )
     found = [] if inference else [f"the loss differs by {loss:.3g} (relative)"]
     if comparison.worst is not None:
@@ -158,6 +174,56 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
         f"(tolerance {tolerance:g} in {precision}): {'; '.join(found)}. "
         f"Suspected: {_suspect(graph, model, batch, step, comparison)}. Nothing was planned; "
         "optimize(..., verify=False) plans it anyway (at your own risk)"
+    )
+
+
+#: on CUDA, how many times eager's own run-to-run difference the captured step may differ by
+EAGER_NOISE_MARGIN = 10.0
+
+
+def on_cuda(model: torch.nn.Module) -> bool:
+    return any(p.is_cuda for p in model.parameters())
+
+
+@contextlib.contextmanager
+def exact_float32(model: torch.nn.Module) -> Iterator[None]:
+    """On CUDA, float32 matmuls and convolutions without TF32 inside the block: TF32 keeps 10
+    bits of mantissa, so its rounding, not the capture, would decide a comparison."""
+    if not on_cuda(model):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+
+
+def _against_eager_again(
+    graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int, both: BothSteps
+) -> BothSteps:
+    """Eager's step run once more from the same seed and buffers, beside the first: eager's own
+    run-to-run difference, to set beside the captured step's."""
+    with _model_kept(model), forked_rng(model):
+        torch.manual_seed(seed)
+        again = _eager_reference(graph, model, batch, step)
+        after = buffers_snapshot(model)
+    result = StepResult(again.loss, again.gradients, after, again.outputs)
+    return BothSteps(both.reference, result, both.buffers_before, both.buffers_after)
+
+
+def _within_noise(
+    loss: float, comparison: GradientComparison, noise_loss: float, noise: GradientComparison, tolerance: float
+) -> bool:
+    """Whether the loss and each gradient differ by at most the tolerance or
+    :data:`EAGER_NOISE_MARGIN` times eager's own difference for the same name."""
+    if loss > max(tolerance, EAGER_NOISE_MARGIN * noise_loss):
+        return False
+    return all(
+        error <= max(tolerance, EAGER_NOISE_MARGIN * noise.errors.get(name, 0.0))
+        for name, error in comparison.errors.items()
     )
 
 

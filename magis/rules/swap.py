@@ -163,11 +163,17 @@ def _swapped(graph: Graph, saved: SavedTensor, timeline: Timeline, holder: str) 
 
 def de_swap(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
     """De-swapping candidates (MAGIS §5.2): each Store goes with its Loads, whose readers
-    read the stored tensor again."""
+    read the stored tensor again. Not where an in-place op writes the stored tensor's memory
+    after the Store (:mod:`magis.rules.in_place` reuses memory nothing reads any more): the
+    readers would read what it wrote."""
     order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
+    position = {name: i for i, name in enumerate(order)}
     found = []
     for store in (n for n in order if isinstance(graph[n].target, Store)):
         holder = graph[store].inputs[0]
+        writers = (w for key in graph.storages[holder] if key is not None for w in graph.writers.get(key, ()))
+        if any(position[w] > position[store] for w in writers):
+            continue
         loads = [c for c in graph.consumers[store] if isinstance(graph[c].target, Load)]
         result = graph.replace([store, *loads], rename=dict.fromkeys(loads, holder))
         new_order = tuple(n for n in order if n in result.index)
