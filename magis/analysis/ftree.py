@@ -179,12 +179,40 @@ def component_candidates(
         for v in sorted(bucket, key=graph.index.__getitem__):
             if _has_dominator_in(idom, v, bucket):
                 continue
-            below = dominated[v] - {v}
+            below = with_expanding_producers(graph, dominated[v] - {v}, single)
             axes = restrict(graph, dgraph, {n: single[n] for n in below if n in single}, index, parts)
             candidate = _validated(graph, dgraph, axes, dimension, scores[v], v)
             if candidate is not None:
                 found.append(replace(candidate, blocked_by=unsupported_ops(graph, dgraph, below)))
     return found
+
+
+def with_expanding_producers(graph: Graph, below: frozenset[str], single: Mapping[str, Axis]) -> frozenset[str]:
+    """``below`` (the nodes a dominator spans) with the producers it alone reads whose inputs
+    along the dimension are no larger than their output, transitively: computed part by part
+    inside the region, each costs no more memory than before and its whole output is never
+    live. What this adds: an unpacked bit mask (:mod:`magis.rules.compact`, Echo §IV-B) whose
+    packed input was made in the forward, outside the backward's dominator; without it, the
+    region reads the whole unpacked mask from outside and packing frees nothing inside.
+    Random ops, inputs and the graph's outputs stay where they are."""
+    inside = set(below)
+    outputs = set(graph.outputs)
+    frontier = {p for n in inside for p in graph[n].inputs if p not in inside}
+    while frontier:
+        name = frontier.pop()
+        node = graph[name]
+        if name in inside or name not in single or node.random or node.is_input or name in outputs:
+            continue
+        if any(reader not in inside for reader in graph.consumers[name]):
+            continue
+        made = sum(graph.storage_bytes[k] for k in graph.storages[name] if k is not None)
+        along = [p for p in node.inputs if p in single]
+        read = sum(graph.storage_bytes[k] for p in along for k in graph.storages[p] if k is not None)
+        if read > made:
+            continue
+        inside.add(name)
+        frontier.update(p for p in node.inputs if p not in inside)
+    return frozenset(inside)
 
 
 def unsupported_ops(graph: Graph, dgraph: DGraph, nodes: frozenset[str]) -> tuple[str, ...]:
