@@ -54,6 +54,25 @@ class ConvNet(nn.Module):
         return self.fc(y)
 
 
+class ConvRegressor(nn.Module):
+    """A convolution, batch norm, ReLU and dropout, then a linear head (a regression: its labels
+    reach the loss through :func:`regression_step`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.relu(self.bn(self.conv(x)))).mean((2, 3))).squeeze(-1)
+
+
+def regression_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (model(x) - target).square().mean()
+
+
 class TwoDropoutMLP(nn.Module):
     """Two dropouts in a row: the RNG stream must be consumed in eager's order."""
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import ConvRegressor, regression_step
 from torch import nn
 
 import magis
@@ -37,28 +38,10 @@ def deterministic_kernels() -> Iterator[None]:
         yield
 
 
-class Regressor(nn.Module):
-    """A user's model: a convolution with batch norm and dropout, then a linear head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 16, 3, padding=1)
-        self.bn = nn.BatchNorm2d(16)
-        self.drop = nn.Dropout(0.25)
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.drop(torch.relu(self.bn(self.conv(x)))).mean((2, 3))).squeeze(-1)
-
-
-def regression_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (model(x) - target).square().mean()
-
-
 def regressor(device: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     batch = (torch.randn(8, 3, 16, 16, device=device), torch.randn(8, device=device))
-    return Regressor().to(device), batch
+    return ConvRegressor().to(device), batch
 
 
 def test_a_plan_on_the_cpu_runs_uncaptured_and_reports_no_graph():

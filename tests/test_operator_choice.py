@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ConvRegressor, regression_step
 from test_fission import in_float64
 from torch import nn
 
@@ -124,30 +125,12 @@ def test_leaky_relu_backward_from_its_output_is_exact_and_a_negative_slope_is_le
             assert measured["max_grad_error"] == 0.0
 
 
-class ConvRegressor(nn.Module):
-    """A convolution, batch norm, ReLU and dropout, then a linear head: under a tight limit the
-    search swaps the batch norm's output out and lets the ReLU write over it in place."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 16, 3, padding=1)
-        self.bn = nn.BatchNorm2d(16)
-        self.drop = nn.Dropout(0.25)
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.drop(torch.relu(self.bn(self.conv(x)))).mean((2, 3))).squeeze(-1)
-
-
 def test_a_swapped_tensor_written_over_in_place_is_never_de_swapped():
     """De-swapping would make the Loads' readers read the stored tensor's memory after an
     in-place ReLU wrote over it: the search used to stop there (GraphError: not a topological order)."""
     torch.manual_seed(0)
     model, batch = ConvRegressor(), (torch.randn(8, 3, 16, 16), torch.randn(8))
-
-    def step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return (model(x) - target).square().mean()
-
+    step = regression_step  # under a tight limit the search swaps the batch norm's output, the ReLU overwrites it
     try:
         plan = magis.optimize(
             model, batch, training_step=step, device="h100", memory_limit=0.7, time_budget=4, progress=False
