@@ -122,6 +122,19 @@ def test_a_second_process_with_the_same_cache_does_no_search(first_run):
     assert (searches, loaded) == (0, SHAPES)
 
 
+def test_a_plan_read_from_the_cache_runs_as_the_steps_options_say(tmp_path):
+    """A plan file holds no runtime: one read back runs compiled when the step was made with
+    ``compile=True``, and without CUDA graphs when ``cuda_graphs=False``."""
+    batch = loader()[0]
+    options = dict(OPTIONS, memory_limit=0.9, cache_dir=tmp_path, compile=True, cuda_graphs=False)
+    first = magis.planned(model(), training_step=lm_step, **options)
+    assert first.plan_for(*batch).runtime == "compiled" and first.searches == 1
+    again = magis.planned(model(), training_step=lm_step, **options)
+    plan = again.plan_for(*batch)
+    assert (again.searches, again.loaded) == (0, 1)
+    assert plan.runtime == "compiled" and plan.cuda_graphs is False
+
+
 def test_a_damaged_cache_file_is_planned_again(first_run, tmp_path):
     for path in first_run[0].glob("*.plan"):
         (tmp_path / path.name).write_bytes(path.read_bytes()[:100])
