@@ -14,7 +14,11 @@ plans' rows come first. Writes JSON after each workload.
 
     python experiments/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
                              [--limits 0.8,0.6] [--time-budget 60] [--compile-peer]
-                             [--out results/plan_run.json]
+                             [--out results/plan_run.json] [--plot results/plan_run.png]
+    python experiments/plan_run.py --plot-only results/plan_run.json --plot results/plan_run.png
+
+``--plot`` draws each workload's first limit: peak and step ratios to eager, simulated
+beside measured (and compile@1's, as CUDA graph where one ran).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,6 +171,43 @@ def measure_compiled(name: str, preset: str, device: torch.device, args: Any) ->
     return row
 
 
+def plot(payload: dict[str, Any], path: str) -> None:
+    """Two panels per workload (its first limit): peak ratio and step ratio to eager, the
+    plan's simulated and measured figures beside compile@1's where it ran."""
+    from matplotlib.figure import Figure
+
+    compiled = {row["model"]: row for row in payload.get("compile@1", [])}
+    firsts = [(w["model"], w["plans"][0]) for w in payload["workloads"] if w["plans"]]
+    rows = [(name, row) for name, row in firsts if "infeasible" not in row]
+    names = [name for name, _ in rows]
+    bars = {
+        "peak": [
+            ("simulated", [r["simulated_peak_ratio"] for _, r in rows]),
+            ("measured", [r["measured_peak_ratio"] for _, r in rows]),
+            ("compile@1", [compiled.get(n, {}).get("peak_ratio", float("nan")) for n in names]),
+        ],
+        "step": [
+            ("simulated", [r["simulated_latency_ratio"] for _, r in rows]),
+            ("measured", [r["measured_step_ratio"] for _, r in rows]),
+            ("CUDA graph", [(r.get("graphs") or {}).get("measured_step_ratio", float("nan")) for _, r in rows]),
+            ("compile@1", [compiled.get(n, {}).get("step_ratio", float("nan")) for n in names]),
+        ],
+    }
+    fig = Figure(figsize=(11, 4))
+    for ax, (what, series) in zip(fig.subplots(1, 2), bars.items()):
+        width = 0.8 / len(series)
+        for i, (label, values) in enumerate(series):
+            ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=20)
+        ax.set_ylabel(f"{what} / eager's")
+        ax.legend(fontsize=8, loc="lower right")
+    limit = rows[0][1]["memory_limit"] if rows else ""
+    fig.suptitle(f"magis plans at memory limit {limit} on {payload.get('device', '?')}: simulated vs measured")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _release(device: torch.device) -> None:
     """Give back what the last workload held, so the next one is measured alone."""
     gc.collect()
@@ -183,7 +226,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--compile-peer", action="store_true", help="also time torch.compile's step (compile@1)")
     parser.add_argument("--out", default="results/plan_run.json")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the first limit's ratios")
+    parser.add_argument("--plot-only", default=None, metavar="JSON", help="only draw a run's JSON (with --plot)")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), args.plot or "plan_run.png")
+        return
     device = torch.device(args.device)
     limits = [float(x) for x in args.limits.split(",")]
     payload: dict[str, Any] = {"device": _device_name(device), "workloads": [], "compile@1": []}
@@ -197,6 +245,8 @@ def main() -> None:
         payload["compile@1"].append(measure_compiled(name, args.preset, device, args))
         write_json(args.out, payload)
         _release(device)
+    if args.plot:
+        plot(payload, args.plot)
     print(f"wrote {args.out}")
 
 
