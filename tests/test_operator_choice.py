@@ -54,8 +54,7 @@ def test_an_activation_whose_backward_reads_its_input_stays_functional():
     model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)).double()
     x = torch.randn(4, 8, dtype=torch.float64)
     training = capture(model, (x,), lambda out: out.square().mean())
-    sums = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor}
-    assert not [n for n in in_place_candidates(training) if training[n].target not in sums]
+    assert not in_place_candidates(training)
     forward = capture_forward(model.eval(), (x,)).graph
     chosen = in_place_candidates(forward)
     assert {forward[n].target for n in chosen} == {torch.ops.aten.silu.default, torch.ops.aten.gelu.default}
@@ -141,40 +140,3 @@ def test_a_swapped_tensor_written_over_in_place_is_never_de_swapped():
     assert plan is not None
     measured = measure_against_eager(plan.graph, plan.order, model, batch, None, training_step=step)
     assert measured["max_grad_error"] < 1e-5
-
-
-class TiedLM(nn.Module):
-    """A language model whose head is its embedding (GPT-2's, GPT-Neo's weight tying)."""
-
-    def __init__(self, vocab: int = 512, width: int = 64) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.mix = nn.Linear(width, width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mix(self.embed(ids))))
-
-
-def test_a_tied_weights_two_gradients_are_summed_into_one_of_them():
-    """The embedding's gradient and the head's are summed at the end of the backward: in place,
-    one vocabulary-sized matrix less is live there, and the gradients are eager's bit for bit."""
-    torch.manual_seed(0)
-    model = TiedLM().double()
-    ids, labels = torch.randint(0, 512, (2, 3)), torch.randint(0, 512, (2, 3))  # the matrices make the peak
-
-    def step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
-
-    graph = capture(model, (ids, labels), training_step=step)
-    vocab_sized = model.embed.weight.numel() * model.embed.weight.element_size()
-    (rewrite,) = in_place_rewrites(graph)
-    summed = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor and n.meta.nbytes == vocab_sized]
-    assert summed and all(rewrite.graph[n.name].target is torch.ops.aten.add_.Tensor for n in summed)
-    rewritten = rewrite.graph
-    before, after = simulate_memory(graph, order(graph)), simulate_memory(rewritten, order(rewritten))
-    assert before.peak - after.peak >= 0.9 * vocab_sized  # the peak moves elsewhere, a little higher
-    measured = measure_against_eager(rewritten, order(rewritten), model, (ids, labels), None, training_step=step)
-    assert measured["max_grad_error"] == 0.0 and not measured["missing_gradients"]
-    assert measured["measured_peak_bytes"] == after.peak

@@ -1,4 +1,4 @@
-"""In-place activations and sums: an operator choice (MONeT, ICLR'22, §3 "operator optimizations").
+"""In-place activations: an operator choice (MONeT, ICLR'22, §3 "operator optimizations").
 
 MONeT chooses, per operator, among implementations that compute the same values but keep
 different tensors alive. The simplest choice: an activation (ReLU, hardtanh/ReLU6,
@@ -6,10 +6,7 @@ leaky ReLU, ELU, SiLU, GELU, sigmoid, tanh, hardswish) writes its result into it
 storage when nothing else ever reads that input (the batch norm's output a ReLU follows:
 batch norm's backward reads its own input, ReLU's backward its output). The functional op
 holds input and output at once; in place, one tensor. The values are the same kernel's,
-bit for bit. The same holds for an elementwise sum, difference or product written into its
-first operand when nothing else reads it: above all the sum of a tied weight's two
-gradients (GPT-Neo's embedding and language-model head, each a vocabulary-sized matrix),
-which otherwise holds both gradients and their sum at once at the end of the backward.
+bit for bit.
 
 The captured graph is functional (AOTAutograd removes every in-place op), so the rule
 turns ``aten.relu(x)`` into ``aten.relu_(x)``, whose output is ``x``'s storage (the IR's
@@ -20,9 +17,7 @@ schema's ``Tensor(a!)``). It applies only where that cannot change any value:
   graph output, laid out like the op's output;
 - the op is the storage's only reader, through any view (so no reader, before or after,
   sees the overwritten values; SiLU's and GELU's backward read their input, so in a
-  training step those stay functional, as do activations of a saved input);
-- no other argument of the op reads that storage (``x + x.t()`` in place would read
-  elements it has already written).
+  training step those stay functional, as do activations of a saved input).
 
 A recomputation of the op for a later reader would read ``x`` overwritten: the remat rule
 refuses to recompute an op whose input a writer changed before (:mod:`magis.rules.remat`).
@@ -52,15 +47,11 @@ IN_PLACE = {
     aten.sigmoid.default: aten.sigmoid_.default,
     aten.tanh.default: aten.tanh_.default,
     aten.hardswish.default: aten.hardswish_.default,
-    aten.add.Tensor: aten.add_.Tensor,
-    aten.sub.Tensor: aten.sub_.Tensor,
-    aten.mul.Tensor: aten.mul_.Tensor,
 }
 
 
 def in_place_candidates(graph: Graph) -> list[str]:
-    """The activations and sums of ``graph`` that may write into their first input (module
-    docstring), in node order."""
+    """The activations of ``graph`` that may write into their input (module docstring), in node order."""
     readers: dict[tuple[str, int], set[str]] = {}
     for node in graph.nodes:
         if is_view(node):  # a view reads nothing: its readers read the storage
@@ -84,7 +75,6 @@ def in_place_candidates(graph: Graph) -> list[str]:
             or readers.get(key) != {node.name}
             or graph.storage_bytes[key] != meta.nbytes
             or meta != node.meta
-            or any(key in graph.storages[other] for other in node.inputs if other != source)
         ):
             continue
         found.append(node.name)
@@ -103,9 +93,9 @@ def in_place(graph: Graph, names: list[str]) -> Graph:
 
 
 def in_place_rewrites(graph: Graph) -> list[Rewrite]:
-    """The M-Rule: every activation or sum that can run in place, at once (module docstring)."""
+    """The M-Rule: every activation that can run in place, at once (module docstring)."""
     names = in_place_candidates(graph)
     if not names:
         return []
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    return [Rewrite(in_place(graph, names), f"in place: {len(names)} activations or sums ({shown})")]
+    return [Rewrite(in_place(graph, names), f"in place: {len(names)} activations ({shown})")]
