@@ -100,3 +100,25 @@ def convnet() -> tuple[nn.Module, tuple[torch.Tensor], object]:
 def mlp() -> tuple[nn.Module, tuple[torch.Tensor], None]:
     torch.manual_seed(0)
     return TwoDropoutMLP(), (torch.randn(8, 16),), None
+
+
+def ten_steps_beside_eager(
+    model: nn.Module, twin: nn.Module, plan_step, eager_step, make_optimizer
+) -> tuple[list[float], list[float]]:
+    """Ten optimizer steps of ``twin`` in eager PyTorch (``eager_step()`` then ``backward``) and of
+    ``model`` through a plan (``plan_step()``), each step from the same seed (the same dropout
+    masks for both, new masks each step): the two runs' losses, eager's first."""
+    losses = []
+    for step_model, step in ((twin, eager_step), (model, plan_step)):
+        optimizer = make_optimizer(step_model.parameters())
+        run = []
+        for k in range(10):
+            torch.manual_seed(100 + k)
+            loss = step()
+            if step_model is twin:
+                loss.backward()
+            run.append(float(loss.detach()))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(run)
+    return losses[0], losses[1]

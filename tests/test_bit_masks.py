@@ -16,7 +16,7 @@ from weakref import WeakKeyDictionary
 import pytest
 import torch
 from test_fission import SEED, eager_reference, in_float64
-from test_scheduling_rules import ReluDropoutMLP
+from test_scheduling_rules import GeluMLP, ReluDropoutMLP
 from torch import nn
 
 from magis.backend.eager import buffers_snapshot, max_relative_error, restore_buffers
@@ -218,28 +218,13 @@ def test_bit_layout_packs_dense_masks_in_memory_order_and_refuses_the_rest():
     assert bit_layout(meta((7,), (1,))) is None  # under a byte's elements: nothing to gain
 
 
-class GeluDropoutMLP(nn.Module):
-    """Blocks of linear -> gelu -> dropout: the next linear saves each dropout's output, gelu
-    its input, dropout its mask (what recomputation and swapping target besides the masks)."""
-
-    def __init__(self, blocks: int = 3, width: int = 24) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = self.drop(nn.functional.gelu(layer(x)))
-        return x.square().mean()
-
-
 def test_packed_masks_compose_with_recomputation_and_swapping():
     """Masks packed first; then two dropout outputs recomputed from their masks, which keeps
     those bool masks alive for the copies; then packing again reads the bits packed already
     (no mask is packed twice) for the copies too; then a saved tensor swapped out. Still
     eager's gradients bit for bit, measured peak = simulated, and each step lowers the peak."""
     torch.manual_seed(0)
-    built = Built(GeluDropoutMLP().double(), (torch.randn(64, 24, dtype=torch.float64),))
+    built = Built(GeluMLP(width=24).double(), (torch.randn(64, 24, dtype=torch.float64),))
     graph = capture(built.model, built.example_inputs, built.loss_fn)
     peaks, taken = [simulate_memory(graph, [n.name for n in graph.nodes]).peak], []
     for rule in (lambda g: packing(compact(g)), remat, remat, lambda g: packing(compact(g)), swap):

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import ten_steps_beside_eager
 
 import magis
 from magis.models import NMT, ZOO
@@ -90,19 +91,9 @@ def test_ten_sgd_steps_through_the_plan_equal_eagers_with_dropout_live():
     plan = magis.optimize(model, inputs, latency_limit=1.1, time_budget=2, max_states=50, device="h200", progress=False)
     # dropout on both embeddings, between the encoder's layers, inside the decoder's LSTM, on a_t
     assert sum(node.target is aten.native_dropout.default for node in plan.graph.nodes) == 5
-    losses = []
-    for step_model, step in ((twin, lambda: twin(*inputs)), (model, lambda: plan(*inputs))):
-        optimizer = torch.optim.SGD(step_model.parameters(), lr=0.1)
-        run = []
-        for k in range(10):
-            torch.manual_seed(100 + k)  # the same masks for both, new masks each step
-            loss = step()
-            if step_model is twin:
-                loss.backward()
-            run.append(float(loss.detach()))
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(run)
+    losses = ten_steps_beside_eager(
+        model, twin, lambda: plan(*inputs), lambda: twin(*inputs), lambda params: torch.optim.SGD(params, lr=0.1)
+    )
     assert losses[1] == pytest.approx(losses[0], rel=1e-9)
     assert len(set(losses[0])) == 10  # the parameters moved and the masks changed
     for (key, a), (_, b) in zip(model.state_dict().items(), twin.state_dict().items()):

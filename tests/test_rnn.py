@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ten_steps_beside_eager
 from torch import nn
 
 import magis
@@ -141,19 +142,9 @@ def test_ten_adamw_steps_through_the_plan_equal_eagers(name: str):
     model, x, tolerance = built(name)
     twin = copy.deepcopy(model)
     plan = magis.optimize(model, (x,), latency_limit=1.1, time_budget=5, max_states=50, device="h200", progress=False)
-    losses = []
-    for step_model, step in ((twin, lambda: twin(x)), (model, lambda: plan(x))):
-        optimizer = torch.optim.AdamW(step_model.parameters(), lr=1e-2)
-        run = []
-        for k in range(10):
-            torch.manual_seed(100 + k)  # the same masks for both, a new mask each step
-            loss = step()
-            if step_model is twin:
-                loss.backward()
-            run.append(float(loss.detach()))
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(run)
+    losses = ten_steps_beside_eager(
+        model, twin, lambda: plan(x), lambda: twin(x), lambda params: torch.optim.AdamW(params, lr=1e-2)
+    )
     assert losses[1] == pytest.approx(losses[0], rel=tolerance)
     for (key, a), (_, b) in zip(model.state_dict().items(), twin.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=key)
