@@ -279,7 +279,9 @@ def _packs(graph: Graph) -> dict[str, tuple[str, frozenset[str]]]:
         if node.target is not aten.sum.dim_IntList or node.kwargs_dict().get("dtype") is not torch.uint8:
             continue
         lanes = graph[node.inputs[0]]
-        if lanes.target is not aten.mul.Tensor or len(lanes.inputs) != 2 or not _is_weights(graph[lanes.inputs[1]]):
+        if lanes.target is not aten.mul.Tensor or len(lanes.inputs) != 2:
+            continue
+        if not _is_weights(graph, graph[lanes.inputs[1]]):
             continue
         chain, x = [node.name, lanes.name], lanes.inputs[0]
         while graph[x].target in (aten.view.default, aten.constant_pad_nd.default, aten.permute.default):
@@ -394,15 +396,17 @@ def _placed(order: Sequence[str], after: dict[str, list[str]], before: dict[str,
 
 def _weights_before(graph: Graph, pos: dict[str, int], step: int) -> Ref | None:
     """Lane weights an earlier packing made (:func:`_lane_weights`), scheduled by ``step``."""
-    return next((Ref(n.name) for n in graph.nodes if _is_weights(n) and pos[n.name] <= step), None)
+    return next((Ref(n.name) for n in graph.nodes if _is_weights(graph, n) and pos[n.name] <= step), None)
 
 
-def _is_weights(node: Node) -> bool:
-    """``node`` makes the lane weights ``1 << lane`` (:func:`_lane_weights`)."""
+def _is_weights(graph: Graph, node: Node) -> bool:
+    """``node`` makes the lane weights ``1 << lane`` in uint8 (:func:`_lane_weights`)."""
+    if node.target is not aten._to_copy.default or node.outputs[0] is None or not isinstance(node.args[0], Ref):
+        return False
+    shifted = graph[node.args[0].name]
     return (
-        node.target is aten.bitwise_left_shift.Scalar_Tensor
-        and node.args[0] == 1
-        and node.outputs[0] is not None
+        shifted.target is aten.bitwise_left_shift.Scalar_Tensor
+        and shifted.args[0] == 1
         and node.meta.shape == (BITS,)
         and node.meta.dtype is torch.uint8
     )
@@ -410,11 +414,14 @@ def _is_weights(node: Node) -> bool:
 
 def _lane_weights(build: NodeBuilder, like: Ref, role: Role) -> Ref:
     """``[1, 2, 4, ..., 128]`` in uint8 on the device of ``like``: the graph records no device,
-    so the weights are made from a tensor that has one (``new_ones``), then ``1 << (cumsum - 1)``."""
+    so the weights are made from a tensor that has one (``new_ones``), then ``1 << (cumsum - 1)``
+    in int64, cast to uint8 last: Inductor (torch 2.13) computes a uint8 ``cumsum`` in int64 and
+    then packs wrong bits, so a compiled plan (``compile=True``) would unpack other masks."""
     ones = build.add("lanes", aten.new_ones.default, (like, [BITS]), {"dtype": torch.uint8}, role=role)
-    count = build.add("lanes", aten.cumsum.default, (ones, 0), {"dtype": torch.uint8}, role=role)
+    count = build.add("lanes", aten.cumsum.default, (ones, 0), role=role)
     shift = build.add("lanes", aten.sub.Scalar, (count, 1), role=role)
-    return build.add("lanes", aten.bitwise_left_shift.Scalar_Tensor, (1, shift), role=role)
+    shifted = build.add("lanes", aten.bitwise_left_shift.Scalar_Tensor, (1, shift), role=role)
+    return build.add("lanes", aten._to_copy.default, (shifted,), {"dtype": torch.uint8}, role=role)
 
 
 def _pack(build: NodeBuilder, mask: Ref, layout: BitLayout, weights: Ref, role: Role) -> Ref:
