@@ -9,11 +9,12 @@ CUDA) and step time (median of ``--runs``), gradients compared with eager's, and
 plan's simulated peak and latency. On CUDA each plan runs twice: replayed as a CUDA graph
 (the default; ``graphs``: its step time, the pool it holds, its first call's peak) and
 launch by launch (``cuda_graphs=False``). ``--compile-peer`` adds ``torch.compile``'s step
-(``compile@1``: the default activation budget) beside eager, after every plan, so that the
-plans' rows come first. Writes JSON after each workload.
+(``compile@1``: the default activation budget) beside eager, and ``--compile-plans`` each
+limit's plan searched with ``compile=True`` and run compiled (under ``compiled``). Each
+workload is measured whole before the next, and JSON written after each measurement.
 
     python experiments/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
-                             [--limits 0.8,0.6] [--time-budget 60] [--compile-peer]
+                             [--limits 0.8,0.6] [--time-budget 60] [--compile-peer] [--compile-plans]
                              [--out results/plan_run.json] [--plot results/plan_run.png]
     python experiments/plan_run.py --plot-only results/plan_run.json --plot results/plan_run.png
 
@@ -30,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +68,9 @@ def _plan_step(plan: magis.Plan, model: torch.nn.Module, batch: tuple) -> dict[s
     return {**grads, "<loss>": loss.detach()}
 
 
-def measure_workload(name: str, preset: str, device: torch.device, limits: list[float], args: Any) -> dict[str, Any]:
+def _with_eager(name: str, preset: str, device: torch.device, args: Any) -> tuple:
+    """The workload built on ``device``, and eager's step of it: its gradients (the reference)
+    and its measured peak and step time."""
     built = WORKLOADS[name].build(preset)
     model = built.model.to(device)
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
@@ -77,6 +81,11 @@ def measure_workload(name: str, preset: str, device: torch.device, limits: list[
         "peak_bytes": meter.peak_bytes,
         "step_s": _timed(lambda: eager_step(model, batch, built.loss_fn), args.runs, device),
     }
+    return built, model, batch, reference, eager
+
+
+def measure_workload(name: str, preset: str, device: torch.device, limits: list[float], args: Any) -> dict[str, Any]:
+    built, model, batch, reference, eager = _with_eager(name, preset, device, args)
     rows = []
     for limit in limits:
         start = time.perf_counter()
@@ -87,35 +96,71 @@ def measure_workload(name: str, preset: str, device: torch.device, limits: list[
         except InfeasibleLimit as err:
             rows.append({"memory_limit": limit, "infeasible": str(err)})
             continue
-        search_s = time.perf_counter() - start
-        graphs = _replayed(plan, model, batch, reference, eager, args) if device.type == "cuda" else None
-        plan = dataclasses.replace(plan, cuda_graphs=False)  # launch by launch (on a CPU: as it always runs)
-        with peak_meter(model, batch) as meter:
-            torch.manual_seed(0)
-            gradients = _plan_step(plan, model, batch)
-        versus = compare_gradients({**reference.gradients, "<loss>": reference.loss}, gradients)
-        step_s = _timed(lambda plan=plan: _plan_step(plan, model, batch), args.runs, device)
-        report = plan.report().to_dict()
-        rows.append(
-            {
-                "memory_limit": limit,
-                "search_s": search_s,
-                "simulated_peak_ratio": report["peak_ratio"],
-                "simulated_latency_ratio": report["latency_ratio"],
-                "measured_peak_bytes": meter.peak_bytes,
-                "measured_peak_ratio": meter.peak_bytes / eager["peak_bytes"],
-                "measured_step_ratio": step_s / eager["step_s"],
-                "simulated_vs_measured_peak": plan.peak_bytes / meter.peak_bytes,
-                "max_grad_error": versus.max_error if versus.same_names else None,
-                "gradient_mismatch": None if versus.same_names else versus.describe(),
-                "transformations": {k: len(v) for k, v in report["transformations"].items()},
-                "graphs": graphs,
-            }
-        )
+        row = {"memory_limit": limit, "search_s": time.perf_counter() - start}
+        rows.append({**row, **_measured(plan, model, batch, reference, eager, args)})
         del plan
         _release(device)
         print(f"  {name} @ {limit}: {rows[-1]}", file=sys.stderr, flush=True)
     return {"model": name, "preset": preset, "device": str(device), "eager": eager, "plans": rows}
+
+
+def _measured(plan: magis.Plan, model: torch.nn.Module, batch: tuple, reference: Any, eager: dict, args: Any) -> dict:
+    """``plan`` run as a user runs it: simulated against measured peak and step (launch by
+    launch), gradients against eager's, and on CUDA the same replayed as a CUDA graph."""
+    device = next(model.parameters()).device
+    graphs = _replayed(plan, model, batch, reference, eager, args) if device.type == "cuda" else None
+    plan = dataclasses.replace(plan, cuda_graphs=False)  # launch by launch (on a CPU: as it always runs)
+    start = time.perf_counter()
+    _plan_step(plan, model, batch)  # a compiled plan compiles its segments here: not metered
+    first_call_s = time.perf_counter() - start
+    with peak_meter(model, batch) as meter:
+        torch.manual_seed(0)
+        gradients = _plan_step(plan, model, batch)
+    versus = compare_gradients({**reference.gradients, "<loss>": reference.loss}, gradients)
+    step_s = _timed(lambda: _plan_step(plan, model, batch), args.runs, device)
+    report = plan.report().to_dict()
+    return {
+        "runtime": report["runtime"]["name"],
+        "first_call_s": first_call_s,
+        "simulated_peak_ratio": report["peak_ratio"],
+        "simulated_latency_ratio": report["latency_ratio"],
+        "measured_peak_bytes": meter.peak_bytes,
+        "measured_peak_ratio": meter.peak_bytes / eager["peak_bytes"],
+        "measured_step_ratio": step_s / eager["step_s"],
+        "simulated_vs_measured_peak": plan.peak_bytes / meter.peak_bytes,
+        "max_grad_error": versus.max_error if versus.same_names else None,
+        "gradient_mismatch": None if versus.same_names else versus.describe(),
+        "transformations": {k: len(v) for k, v in report["transformations"].items()},
+        "compile_fallbacks": report["runtime"].get("fallbacks"),
+        "graphs": graphs,
+    }
+
+
+def measure_compiled_plans(name: str, preset: str, device: torch.device, limits: list[float], args: Any) -> dict:
+    """Each limit's plan searched and run with ``compile=True`` (Inductor segments; on CUDA
+    replayed as a CUDA graph too): the rows of :func:`measure_workload` for the compiled runtime,
+    whose ``first_call_s`` is the seconds Inductor took to compile every segment."""
+    built, model, batch, reference, eager = _with_eager(name, preset, device, args)
+    rows = []
+    for limit in limits:
+        try:
+            plan = magis.optimize(
+                model,
+                batch,
+                built.loss_fn,
+                memory_limit=limit,
+                time_budget=args.time_budget,
+                device=args.cost_model,
+                compile=True,
+            )
+        except InfeasibleLimit as err:
+            rows.append({"memory_limit": limit, "infeasible": str(err)})
+            continue
+        rows.append({"memory_limit": limit, **_measured(plan, model, batch, reference, eager, args)})
+        del plan
+        _release(device)
+        print(f"  {name} compiled @ {limit}: {rows[-1]}", file=sys.stderr, flush=True)
+    return {"model": name, "eager": eager, "plans": rows}
 
 
 def _replayed(plan: magis.Plan, model: torch.nn.Module, batch: tuple, reference: Any, eager: dict, args: Any) -> dict:
@@ -173,10 +218,12 @@ def measure_compiled(name: str, preset: str, device: torch.device, args: Any) ->
 
 def plot(payload: dict[str, Any], path: str) -> None:
     """Two panels per workload (its first limit): peak ratio and step ratio to eager, the
-    plan's simulated and measured figures beside compile@1's where it ran."""
+    plan's simulated and measured figures beside the compiled plan's and compile@1's where
+    they ran."""
     from matplotlib.figure import Figure
 
     compiled = {row["model"]: row for row in payload.get("compile@1", [])}
+    compiled_plans = {w["model"]: w["plans"][0] for w in payload.get("compiled", []) if w["plans"]}
     firsts = [(w["model"], w["plans"][0]) for w in payload["workloads"] if w["plans"]]
     rows = [(name, row) for name, row in firsts if "infeasible" not in row]
     names = [name for name, _ in rows]
@@ -184,12 +231,14 @@ def plot(payload: dict[str, Any], path: str) -> None:
         "peak": [
             ("simulated", [r["simulated_peak_ratio"] for _, r in rows]),
             ("measured", [r["measured_peak_ratio"] for _, r in rows]),
+            ("compiled plan", [compiled_plans.get(n, {}).get("measured_peak_ratio", float("nan")) for n in names]),
             ("compile@1", [compiled.get(n, {}).get("peak_ratio", float("nan")) for n in names]),
         ],
         "step": [
             ("simulated", [r["simulated_latency_ratio"] for _, r in rows]),
             ("measured", [r["measured_step_ratio"] for _, r in rows]),
             ("CUDA graph", [(r.get("graphs") or {}).get("measured_step_ratio", float("nan")) for _, r in rows]),
+            ("compiled plan", [compiled_plans.get(n, {}).get("measured_step_ratio", float("nan")) for n in names]),
             ("compile@1", [compiled.get(n, {}).get("step_ratio", float("nan")) for n in names]),
         ],
     }
@@ -225,6 +274,7 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=60.0)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--compile-peer", action="store_true", help="also time torch.compile's step (compile@1)")
+    parser.add_argument("--compile-plans", action="store_true", help="also run each plan searched with compile=True")
     parser.add_argument("--out", default="results/plan_run.json")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the first limit's ratios")
     parser.add_argument("--plot-only", default=None, metavar="JSON", help="only draw a run's JSON (with --plot)")
@@ -234,17 +284,19 @@ def main() -> None:
         return
     device = torch.device(args.device)
     limits = [float(x) for x in args.limits.split(",")]
-    payload: dict[str, Any] = {"device": _device_name(device), "workloads": [], "compile@1": []}
+    payload: dict[str, Any] = {"device": _device_name(device), "workloads": [], "compile@1": [], "compiled": []}
     names = args.models.split(",")
-    for name in names:
+    for name in names:  # each workload whole before the next: a run cut short keeps complete rows
         print(f"{name} ({args.preset}, {device})", file=sys.stderr, flush=True)
-        payload["workloads"].append(measure_workload(name, args.preset, device, limits, args))
-        write_json(args.out, payload)  # a run cut short keeps what it measured
-        _release(device)
-    for name in names if args.compile_peer else ():
-        payload["compile@1"].append(measure_compiled(name, args.preset, device, args))
-        write_json(args.out, payload)
-        _release(device)
+        measures = [("workloads", partial(measure_workload, name, args.preset, device, limits, args))]
+        if args.compile_peer:
+            measures.append(("compile@1", partial(measure_compiled, name, args.preset, device, args)))
+        if args.compile_plans:
+            measures.append(("compiled", partial(measure_compiled_plans, name, args.preset, device, limits, args)))
+        for key, measure in measures:
+            payload[key].append(measure())
+            write_json(args.out, payload)
+            _release(device)
     if args.plot:
         plot(payload, args.plot)
     print(f"wrote {args.out}")

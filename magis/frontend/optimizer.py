@@ -56,6 +56,27 @@ _KERNEL_TRAFFIC = {
 }
 
 
+#: an early-updated Adam/AdamW parameter larger than this is updated in slices no larger (its
+#: temporaries then hold a slice, not the parameter; slices this large still run at full bandwidth)
+PIECE_BYTES = 32 * 2**20
+
+
+def update_pieces(meta: TensorMeta) -> int:
+    """How many slices along its first dimension an update of a parameter of ``meta`` runs in,
+    so that each holds at most :data:`PIECE_BYTES` (at most one per row)."""
+    if not meta.shape or meta.nbytes <= PIECE_BYTES:
+        return 1
+    return min(meta.shape[0], -(-meta.nbytes // PIECE_BYTES))
+
+
+def piece_bytes(meta: TensorMeta, pieces: int) -> int:
+    """Bytes of the largest of ``pieces`` slices along the first dimension (``torch.chunk``'s)."""
+    if pieces <= 1:
+        return meta.nbytes
+    rows = meta.shape[0]
+    return -(-rows // pieces) * (meta.nbytes // rows)
+
+
 class OptimizerError(ValueError):
     """The optimizer given to a plan does not match the one it was planned for."""
 
@@ -110,6 +131,7 @@ class ParameterUpdate:
     states: tuple[str, ...]  # state keys per parameter, in argument order
     foreach: bool  # one multi-tensor update of all params (eager's CUDA default), else one at a time
     options: tuple[tuple[str, Any], ...]  # the group's options when planned
+    pieces: int = 1  # Adam/AdamW of one parameter: updated in this many slices along its first dim
 
     @property
     def __name__(self) -> str:  # read by Node.op_name
@@ -132,6 +154,9 @@ class ParameterUpdate:
         traffic = _KERNEL_TRAFFIC[kind]
         per = 2 + len(self.states)
         sizes = [graph[ref.name].meta.nbytes for ref in node.args[2::per]]
+        if self.pieces > 1:
+            piece = piece_bytes(graph[node.args[2].name].meta, self.pieces)
+            return tuple(int(t * piece) for _ in range(self.pieces) for t in traffic)
         if self.foreach:
             return tuple(int(t * sum(sizes)) for t in traffic)
         return tuple(int(t * size) for size in sizes for t in traffic)
@@ -140,9 +165,51 @@ class ParameterUpdate:
         per = 2 + len(self.states)
         params, grads = list(tensors[0::per]), list(tensors[1::per])
         states = {key: list(tensors[2 + k :: per]) for k, key in enumerate(self.states)}
+        group = dict(self.options) if optimizer is None else optimizer.group(self)
+        if self.pieces > 1:
+            self._update_in_pieces(group, coefficient, params[0], grads[0], {k: v[0] for k, v in states.items()})
+            return params[0]
         if coefficient is not None:  # torch.nn.utils.clip_grad_norm_ multiplies each gradient by it
             grads = [g.mul(coefficient.to(g.device)) for g in grads]
-        group = dict(self.options) if optimizer is None else optimizer.group(self)
+        self._update(optimizer, group, params, grads, states)
+        return params[0]
+
+    def _update_in_pieces(
+        self,
+        group: dict[str, Any],
+        coefficient: torch.Tensor | None,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: dict[str, torch.Tensor],
+    ) -> None:
+        """Adam's update of one parameter slice by slice along its first dimension: every operation
+        of the update is elementwise, so the slices' results are the whole update's, bit for bit,
+        while its temporaries (``sqrt(v) / bc2``, the clipped gradient) are a slice's size. The
+        step count advances once: each slice but the last counts on a copy of it."""
+
+        def sliced(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return torch.chunk(t, self.pieces, dim=0)
+
+        pieces = {"param": sliced(param), "grad": sliced(grad)}
+        pieces.update({key: sliced(state) for key, state in states.items() if key != "step"})
+        count = len(pieces["param"])
+        for i in range(count):
+            grad_piece = pieces["grad"][i]
+            if coefficient is not None:
+                grad_piece = grad_piece.mul(coefficient.to(grad_piece.device))
+            piece_states = {key: [pieces[key][i]] for key in states if key != "step"}
+            piece_states["step"] = [states["step"] if i == count - 1 else states["step"].clone()]
+            self._update(None, group, [pieces["param"][i]], [grad_piece], piece_states)
+
+    def _update(
+        self,
+        optimizer: BoundOptimizer | None,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+    ) -> None:
+        """torch's functional ``sgd``/``adam``/``adamw`` on ``params`` with ``group``'s options."""
         flags = {"foreach": self.foreach, "fused": group.get("fused")}
         if self.kind == "sgd":
             buffers = states.get("momentum_buffer", [None] * len(params))
@@ -181,7 +248,6 @@ class ParameterUpdate:
                 eps=group["eps"],
                 maximize=group["maximize"],
             )
-        return params[0]
 
 
 @dataclass(frozen=True)

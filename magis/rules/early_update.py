@@ -11,7 +11,11 @@ each placed in the schedule right after the last node it must follow (its gradie
 every reader of the parameter, which the update overwrites). The split costs kernel
 launches (a multi-tensor kernel per operation becomes one kernel per parameter), so the
 search weighs it like any rule, and against fission: a fissioned weight gradient is final
-only after the last part, which is where the update then goes.
+only after the last part, which is where the update then goes. A split-off Adam/AdamW update of
+a parameter above :data:`~magis.frontend.optimizer.PIECE_BYTES` runs slice by slice (exact: the
+update is elementwise), so its ``sqrt(v)`` temporaries hold a slice instead of the parameter: on
+a CPU, whose eager step loops over the parameters, the largest one (a tied embedding) otherwise
+makes the step's peak.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from magis.frontend.optimizer import ParameterUpdate, update_node, update_workspace
+from magis.frontend.optimizer import ParameterUpdate, piece_bytes, update_node, update_pieces, update_workspace
 from magis.ir.graph import Graph, Node, Ref
 from magis.rules.rewrite import Rewrite
 
@@ -61,14 +65,16 @@ def every_parameter_early(graph: Graph, order: Sequence[str] | None = None) -> t
     order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
     split = False
     for node in [n for n in graph.nodes if isinstance(n.target, ParameterUpdate) and len(n.target.params) > 1]:
-        rewrite = _split(graph, order, node, node.target.params)
+        rewrite = _split(graph, order, node, node.target.params, in_pieces=False)
         graph, order, split = rewrite.graph, rewrite.order, True
     return (graph, order) if split else None
 
 
-def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, ...]) -> Rewrite:
+def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, ...], in_pieces: bool = True) -> Rewrite:
     """``graph`` with the update of each parameter of ``chosen`` taken out of ``group`` into a node
-    of its own, placed as early as the schedule allows."""
+    of its own, placed as early as the schedule allows; ``in_pieces``: Adam's of a large parameter
+    in slices (PyTorch's optimizer-in-backward, which :func:`every_parameter_early` stands for, runs
+    each parameter's update whole)."""
     target: ParameterUpdate = group.target
     per = 2 + len(target.states)
     head, rest = group.args[:2], group.args[2:]
@@ -77,8 +83,11 @@ def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, .
     added = []
     for name in chosen:
         args = (*head, *slices[name])
-        single = replace(target, params=(name,))
-        added.append(update_node(graph, single, args, update_workspace(single, [_bytes(graph, args[2])], clipped)))
+        meta = graph[args[2].name].meta
+        pieces = update_pieces(meta) if in_pieces and target.kind in ("adam", "adamw") else 1
+        single = replace(target, params=(name,), pieces=pieces)
+        workspace = update_workspace(single, [piece_bytes(meta, pieces)], clipped)
+        added.append(update_node(graph, single, args, workspace))
     kept = tuple(name for name in target.params if name not in chosen)
     remove = [group.name]
     if kept:
