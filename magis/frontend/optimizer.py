@@ -132,6 +132,9 @@ class ParameterUpdate:
     foreach: bool  # one multi-tensor update of all params (eager's CUDA default), else one at a time
     options: tuple[tuple[str, Any], ...]  # the group's options when planned
     pieces: int = 1  # Adam/AdamW of one parameter: updated in this many slices along its first dim
+    #: the one parameter's gradient is the sum of two tensors, the usual one and the last argument
+    #: (a tied weight's two contributions), added slice by slice: the whole sum never exists
+    summed: bool = False
 
     @property
     def __name__(self) -> str:  # read by Node.op_name
@@ -140,12 +143,18 @@ class ParameterUpdate:
     def writes(self, node: Node) -> tuple[str, ...]:
         """The inputs of ``node`` written in place: the parameters and their states."""
         per = 2 + len(self.states)  # param, grad, states
-        return tuple(ref.name for i, ref in enumerate(node.args[2:]) if i % per != 1)
+        return tuple(ref.name for i, ref in enumerate(self._per_parameter(node)) if i % per != 1)
 
     def gradients(self, node: Node) -> tuple[str, ...]:
-        """The gradient nodes ``node`` reads, one per parameter of ``params``."""
+        """The gradient nodes ``node`` reads: one per parameter of ``params``, two where ``summed``."""
         per = 2 + len(self.states)
-        return tuple(ref.name for ref in node.args[3::per])
+        return tuple(ref.name for ref in self._per_parameter(node)[1::per]) + (
+            (node.args[-1].name,) if self.summed else ()
+        )
+
+    def _per_parameter(self, node: Node) -> tuple:
+        """The arguments of ``node`` per parameter (parameter, gradient, states), in order."""
+        return node.args[2 : len(node.args) - int(self.summed)]
 
     def kernel_bytes(self, graph: Graph, node: Node) -> tuple[int, ...]:
         """Bytes each kernel of the update moves (the latency model prices them, :mod:`magis.cost.latency`)."""
@@ -153,9 +162,10 @@ class ParameterUpdate:
         kind = "sgd-momentum" if self.kind == "sgd" and options.get("momentum") else self.kind.removesuffix("w")
         traffic = _KERNEL_TRAFFIC[kind]
         per = 2 + len(self.states)
-        sizes = [graph[ref.name].meta.nbytes for ref in node.args[2::per]]
+        sizes = [graph[ref.name].meta.nbytes for ref in self._per_parameter(node)[0::per]]
         if self.pieces > 1:
             piece = piece_bytes(graph[node.args[2].name].meta, self.pieces)
+            traffic = ((3.0,) if self.summed else ()) + traffic  # the two terms' sum, a slice at a time
             return tuple(int(t * piece) for _ in range(self.pieces) for t in traffic)
         if self.foreach:
             return tuple(int(t * sum(sizes)) for t in traffic)
@@ -163,12 +173,17 @@ class ParameterUpdate:
 
     def __call__(self, optimizer: BoundOptimizer | None, coefficient: torch.Tensor | None, *tensors: Any) -> Any:
         per = 2 + len(self.states)
+        term = tensors[-1] if self.summed else None
+        tensors = tensors[: len(tensors) - int(self.summed)]
         params, grads = list(tensors[0::per]), list(tensors[1::per])
         states = {key: list(tensors[2 + k :: per]) for k, key in enumerate(self.states)}
         group = dict(self.options) if optimizer is None else optimizer.group(self)
         if self.pieces > 1:
-            self._update_in_pieces(group, coefficient, params[0], grads[0], {k: v[0] for k, v in states.items()})
+            states_of_one = {k: v[0] for k, v in states.items()}
+            self._update_in_pieces(group, coefficient, params[0], grads[0], term, states_of_one)
             return params[0]
+        if term is not None:
+            grads = [torch.add(grads[0], term)]
         if coefficient is not None:  # torch.nn.utils.clip_grad_norm_ multiplies each gradient by it
             grads = [g.mul(coefficient.to(g.device)) for g in grads]
         self._update(optimizer, group, params, grads, states)
@@ -180,21 +195,26 @@ class ParameterUpdate:
         coefficient: torch.Tensor | None,
         param: torch.Tensor,
         grad: torch.Tensor,
+        term: torch.Tensor | None,
         states: dict[str, torch.Tensor],
     ) -> None:
         """Adam's update of one parameter slice by slice along its first dimension: every operation
         of the update is elementwise, so the slices' results are the whole update's, bit for bit,
-        while its temporaries (``sqrt(v) / bc2``, the clipped gradient) are a slice's size. The
-        step count advances once: each slice but the last counts on a copy of it."""
+        while its temporaries (``sqrt(v) / bc2``, the clipped gradient, the sum ``grad + term``
+        where ``summed``) are a slice's size. The step count advances once: each slice but the
+        last counts on a copy of it."""
 
         def sliced(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return torch.chunk(t, self.pieces, dim=0)
 
         pieces = {"param": sliced(param), "grad": sliced(grad)}
         pieces.update({key: sliced(state) for key, state in states.items() if key != "step"})
+        terms = sliced(term) if term is not None else None
         count = len(pieces["param"])
         for i in range(count):
             grad_piece = pieces["grad"][i]
+            if terms is not None:
+                grad_piece = torch.add(grad_piece, terms[i])
             if coefficient is not None:
                 grad_piece = grad_piece.mul(coefficient.to(grad_piece.device))
             piece_states = {key: [pieces[key][i]] for key in states if key != "step"}

@@ -23,9 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from magis.frontend.optimizer import ParameterUpdate, piece_bytes, update_node, update_pieces, update_workspace
 from magis.ir.graph import Graph, Node, Ref
 from magis.rules.rewrite import Rewrite
+
+aten = torch.ops.aten
 
 #: shares of a group's gradient bytes whose largest parameters a candidate updates early: a
 #: group's bytes sit in a few matrices, its launches in many small tensors (biases, norms)
@@ -81,15 +85,21 @@ def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, .
     slices = {name: rest[i * per : (i + 1) * per] for i, name in enumerate(target.params)}
     clipped = head[1] is not None
     added = []
+    summed = []  # gradient sums taken into a sliced update
     for name in chosen:
         args = (*head, *slices[name])
         meta = graph[args[2].name].meta
         pieces = update_pieces(meta) if in_pieces and target.kind in ("adam", "adamw") else 1
-        single = replace(target, params=(name,), pieces=pieces)
+        terms = _gradient_terms(graph, args[3].name, group.name) if pieces > 1 else None
+        if terms is not None:
+            args = (*head, args[2], terms[0], *args[4:], terms[1])
+            summed.append(slices[name][1].name)
+        single = replace(target, params=(name,), pieces=pieces, summed=terms is not None)
         workspace = update_workspace(single, [piece_bytes(meta, pieces)], clipped)
+        workspace += piece_bytes(meta, pieces) if terms is not None else 0  # the slice of the sum
         added.append(update_node(graph, single, args, workspace))
     kept = tuple(name for name in target.params if name not in chosen)
-    remove = [group.name]
+    remove = [group.name, *summed]
     if kept:
         args = (*head, *(a for name in kept for a in slices[name]))
         rest_target = replace(target, params=kept)
@@ -102,9 +112,28 @@ def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, .
     return Rewrite(
         rewritten,
         f"update {what} of param group {target.group} as soon as its gradient is final",
-        order=_earliest(rewritten, [n for n in order if n != group.name], [n.name for n in added]),
-        touched=frozenset({group.name, *(n.name for n in added)}),
+        order=_earliest(rewritten, [n for n in order if n not in remove], [n.name for n in added]),
+        touched=frozenset({*remove, *(n.name for n in added)}),
     )
+
+
+def _gradient_terms(graph: Graph, gradient: str, update: str) -> tuple[Ref, Ref] | None:
+    """The two tensors whose sum ``gradient`` is, where nothing but ``update`` reads it: a tied
+    weight's gradient, the sum of its two uses' (a language model's embedding and output
+    projection). The update then adds them a slice at a time, and the whole sum, as large as
+    the weight, never exists (eager's ``AccumulateGrad`` adds the second into the first in place)."""
+    node = graph[gradient]
+    if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+    if not (isinstance(a, Ref) and isinstance(b, Ref)) or gradient in graph.outputs:
+        return None
+    if graph.consumers.get(gradient) != (update,):
+        return None
+    same = (graph[a.name].meta, graph[b.name].meta)
+    if any((m.shape, m.dtype) != (node.meta.shape, node.meta.dtype) for m in same):
+        return None  # a broadcast or promoting sum: its slices are not the terms' slices
+    return a, b
 
 
 def _bytes(graph: Graph, ref: Ref) -> int:
