@@ -31,6 +31,9 @@ from magis.rules.rewrite import Rewrite
 
 aten = torch.ops.aten
 
+#: slices at least, of an update that adds a tied weight's two gradients itself
+SUMMED_PIECES = 8
+
 #: shares of a group's gradient bytes whose largest parameters a candidate updates early: a
 #: group's bytes sit in a few matrices, its launches in many small tensors (biases, norms)
 BYTE_SHARES = (0.5, 0.9)
@@ -91,6 +94,12 @@ def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, .
         meta = graph[args[2].name].meta
         pieces = update_pieces(meta) if in_pieces and target.kind in ("adam", "adamw") else 1
         terms = _gradient_terms(graph, args[3].name, group.name) if pieces > 1 else None
+        if terms is not None:
+            # the terms stay whole through the update, beside three slices (the sum, Adam's two
+            # temporaries), where the sum's add held three weights: it pays from 4 slices on
+            pieces = max(pieces, min(SUMMED_PIECES, meta.shape[0]))
+            if 3 * piece_bytes(meta, pieces) >= meta.nbytes:
+                terms = None
         if terms is not None:
             args = (*head, args[2], terms[0], *args[4:], terms[1])
             summed.append(slices[name][1].name)
