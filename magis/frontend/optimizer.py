@@ -132,8 +132,8 @@ class ParameterUpdate:
     foreach: bool  # one multi-tensor update of all params (eager's CUDA default), else one at a time
     options: tuple[tuple[str, Any], ...]  # the group's options when planned
     pieces: int = 1  # Adam/AdamW of one parameter: updated in this many slices along its first dim
-    #: the one parameter's gradient is the sum of two tensors, the usual one and the last argument
-    #: (a tied weight's two contributions), added slice by slice: the whole sum never exists
+    #: sliced (``pieces`` > 1) only: the one parameter's gradient is the sum of two tensors, the usual
+    #: one and the last argument (a tied weight's two uses'), added slice by slice: the sum never exists
     summed: bool = False
 
     @property
@@ -182,8 +182,6 @@ class ParameterUpdate:
             states_of_one = {k: v[0] for k, v in states.items()}
             self._update_in_pieces(group, coefficient, params[0], grads[0], term, states_of_one)
             return params[0]
-        if term is not None:
-            grads = [torch.add(grads[0], term)]
         if coefficient is not None:  # torch.nn.utils.clip_grad_norm_ multiplies each gradient by it
             grads = [g.mul(coefficient.to(g.device)) for g in grads]
         self._update(optimizer, group, params, grads, states)
@@ -455,8 +453,10 @@ def update_node(graph: Graph, target: ParameterUpdate, args: tuple, workspace: i
 
 
 def update_workspace(target: ParameterUpdate, sizes: Sequence[int], clipped: bool) -> int:
-    """:func:`_update_workspace` of ``target`` over parameters of ``sizes``."""
-    return _update_workspace(target.kind, dict(target.options), sizes, target.foreach, clipped)
+    """:func:`_update_workspace` of ``target`` over parameters (or, sliced, slices) of ``sizes``,
+    and where ``summed`` the slice of the gradient's sum."""
+    workspace = _update_workspace(target.kind, dict(target.options), sizes, target.foreach, clipped)
+    return workspace + (max(sizes) if target.summed else 0)
 
 
 def bound_optimizer_inputs(

@@ -90,23 +90,9 @@ def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, .
     added = []
     summed = []  # gradient sums taken into a sliced update
     for name in chosen:
-        args = (*head, *slices[name])
-        meta = graph[args[2].name].meta
-        pieces = update_pieces(meta) if in_pieces and target.kind in ("adam", "adamw") else 1
-        terms = _gradient_terms(graph, args[3].name, group.name) if pieces > 1 else None
-        if terms is not None:
-            # the terms stay whole through the update, beside three slices (the sum, Adam's two
-            # temporaries), where the sum's add held three weights: it pays from 4 slices on
-            pieces = max(pieces, min(SUMMED_PIECES, meta.shape[0]))
-            if 3 * piece_bytes(meta, pieces) >= meta.nbytes:
-                terms = None
-        if terms is not None:
-            args = (*head, args[2], terms[0], *args[4:], terms[1])
-            summed.append(slices[name][1].name)
-        single = replace(target, params=(name,), pieces=pieces, summed=terms is not None)
-        workspace = update_workspace(single, [piece_bytes(meta, pieces)], clipped)
-        workspace += piece_bytes(meta, pieces) if terms is not None else 0  # the slice of the sum
-        added.append(update_node(graph, single, args, workspace))
+        node, gradient_sum = _single_update(graph, group, name, slices[name], in_pieces)
+        added.append(node)
+        summed += [gradient_sum] if gradient_sum else []
     kept = tuple(name for name in target.params if name not in chosen)
     remove = [group.name, *summed]
     if kept:
@@ -124,6 +110,26 @@ def _split(graph: Graph, order: Sequence[str], group: Node, chosen: tuple[str, .
         order=_earliest(rewritten, [n for n in order if n not in remove], [n.name for n in added]),
         touched=frozenset({*remove, *(n.name for n in added)}),
     )
+
+
+def _single_update(graph: Graph, group: Node, name: str, own: Sequence, in_pieces: bool) -> tuple[Node, str | None]:
+    """The update of parameter ``name`` of ``group`` (``own``: its parameter, gradient and states), in
+    slices where it is an Adam's of a large parameter and ``in_pieces``, reading a tied weight's
+    two gradients itself where that pays; and the name of the gradient's sum it then replaces."""
+    target: ParameterUpdate = group.target
+    head, meta = group.args[:2], graph[own[0].name].meta
+    pieces = update_pieces(meta) if in_pieces and target.kind in ("adam", "adamw") else 1
+    terms = _gradient_terms(graph, own[1].name, group.name) if pieces > 1 else None
+    if terms is not None:
+        # the terms stay whole through the update, beside three slices (the sum, Adam's two
+        # temporaries), where the sum's add held three weights: it pays from 4 slices on
+        pieces = max(pieces, min(SUMMED_PIECES, meta.shape[0]))
+        if 3 * piece_bytes(meta, pieces) >= meta.nbytes:
+            terms = None
+    args = (*head, own[0], terms[0], *own[2:], terms[1]) if terms else (*head, *own)
+    single = replace(target, params=(name,), pieces=pieces, summed=terms is not None)
+    workspace = update_workspace(single, [piece_bytes(meta, pieces)], head[1] is not None)
+    return update_node(graph, single, args, workspace), own[1].name if terms else None
 
 
 def _gradient_terms(graph: Graph, gradient: str, update: str) -> tuple[Ref, Ref] | None:
