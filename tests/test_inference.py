@@ -17,7 +17,10 @@ from magis.frontend.capture import capture_forward
 from magis.frontend.step import CaptureError
 from magis.ir.graph import Role
 
-SEARCH = {"time_budget": 10.0, "max_states": 40, "progress": False}
+#: bounded by states, not time (about a second here): the same search on any machine, however loaded
+SEARCH = {"time_budget": 600.0, "max_states": 40, "progress": False}
+#: float64 rounding of a sum taken in another order (Serenity's channel-wise partitioning)
+REORDERED_SUM = 1e-14
 
 
 class Branchy(nn.Module):
@@ -67,31 +70,43 @@ def test_capture_forward_holds_no_backward_and_returns_the_output_tensors():
     assert [graph[r].outputs[0].shape for r in graph.signature.results] == [tuple(t.shape) for t in leaves]
 
 
-def test_eval_plan_returns_eager_output_exactly_within_its_simulated_peak(tmp_path):
+@pytest.mark.parametrize(
+    ("device", "rule", "error"),
+    [
+        # a fission of the batch: every value is computed as eager computes it, so bitwise eager's
+        ("a100", "enable", 0.0),
+        # the concatenation feeding `merge` partitioned (Serenity Eq. 3-6): `merge` becomes a sum of
+        # two partial convolutions, eager's up to that sum's float64 rounding (swaps run as copies)
+        ("h100", "concat-conv", REORDERED_SUM),
+    ],
+)
+def test_eval_plan_returns_eager_output_within_its_simulated_peak(tmp_path, device, rule, error):
     model, images = build()
-    plan = magis.optimize(model, (images,), inference=True, memory_limit=0.75, **SEARCH)
+    # an analytic cost model: the plan does not hang on this machine's timings
+    plan = magis.optimize(model, (images,), inference=True, memory_limit=0.75, device=device, **SEARCH)
     assert plan.peak_bytes <= plan.objective.memory_bytes < plan.baseline_peak_bytes
     assert plan.report().verified
-    assert plan.search.best.steps, "a limit below the captured peak needs a transformation"
+    assert rule in [step.rule for step in plan.search.best.steps]
     reference, _ = eager_output(model, images, seed=0)
     output = plan(images)
     assert output.keys() == reference.keys()
-    assert torch.equal(output["logits"], reference["logits"])
-    assert torch.equal(output["features"][0], reference["features"][0])
+    torch.testing.assert_close(output["logits"], reference["logits"], rtol=0, atol=error)
+    torch.testing.assert_close(output["features"][0], reference["features"][0], rtol=0, atol=error)
     measured = measure_against_eager(plan.graph, plan.order, model, (images,), None)
-    assert measured["max_output_error"] == 0.0
+    assert measured["max_output_error"] <= error
     assert measured["measured_peak_bytes"] == plan.peak_bytes  # the simulator is exact on CPU
     assert measured["eager_peak_bytes"] > plan.peak_bytes
 
     plan.save(tmp_path / "forward.plan")
     again = magis.load_plan(tmp_path / "forward.plan", model)
-    assert torch.equal(again(images)["logits"], reference["logits"])
+    assert torch.equal(again(images)["logits"], output["logits"])
 
 
 def test_train_mode_forward_draws_eagers_dropout_and_updates_batch_norm_as_eager():
     model, images = build(train=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = magis.optimize(model, (images,), inference=True, latency_limit=1.5, **SEARCH)
+    plan = magis.optimize(model, (images,), inference=True, latency_limit=1.1, device="h100", **SEARCH)
+    assert plan.search.best.steps and "concat-conv" not in [step.rule for step in plan.search.best.steps]
     model.load_state_dict(before)
     reference, eager_state = eager_output(model, images, seed=3)
     model.load_state_dict(before)
