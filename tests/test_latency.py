@@ -223,7 +223,13 @@ def test_cost_model_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert local.device.type == "cpu"
     assert local.cache.path == default_cache_path(torch.device("cpu"))
     assert local.cache.path.parent == tmp_path
-    assert local.cache.path.name.startswith(f"latency-cpu-{torch.__version__}-")
+    threads = torch.get_num_threads()
+    assert local.cache.path.name.startswith(f"latency-cpu-{threads}threads-{torch.__version__}-")
+    try:  # times taken on another thread count are another cache
+        torch.set_num_threads(threads + 1)
+        assert cost_model().cache.path != local.cache.path
+    finally:
+        torch.set_num_threads(threads)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             cost_model("cuda")

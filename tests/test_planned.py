@@ -169,6 +169,8 @@ def test_bad_options_are_refused_before_anything_runs():
     net = model()
     with pytest.raises(ValueError, match="loss_fn or training_step, not both"):
         magis.planned(net, lambda out: out.sum(), training_step=lm_step)
+    with pytest.raises(ValueError, match=r"loss_fn takes 3 arguments.*training_step=step"):
+        magis.planned(net, lm_step)  # a step of (model, *batch) passed where loss_fn(output) goes
     with pytest.raises(ValueError, match="max_plans"):
         magis.planned(net, max_plans=0)
 

@@ -25,10 +25,16 @@ CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
 
 
 def default_cache_path(device: torch.device) -> Path:
-    """``$MAGIS_CACHE_DIR`` (default ``~/.cache/magis``) ``/latency-<device>-<torch>-<host hash>.json``."""
+    """``$MAGIS_CACHE_DIR`` (default ``~/.cache/magis``) ``/latency-<device>-<torch>-<host hash>.json``.
+
+    On CPU ``<device>`` also names torch's intra-op thread count (``cpu-1threads``): a
+    convolution on two threads takes about half its time on one, a small pointwise op or the
+    runtime's own work hardly less, so times taken at one count misprice a plan run at another
+    (recomputed pointwise ops against the convolutions they spare)."""
     base = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "magis")
     host = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-    return base / f"latency-{device_tag(device)}-{torch.__version__}-{host}.json"
+    tag = device_tag(device) + (f"-{torch.get_num_threads()}threads" if device.type == "cpu" else "")
+    return base / f"latency-{tag}-{torch.__version__}-{host}.json"
 
 
 class LatencyCache:

@@ -18,6 +18,7 @@ runs.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,13 @@ class UserStep:
         for name in ("loss_fn", "training_step"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be callable, got {type(getattr(self, name)).__name__}")
+        required = _required_positionals(self.loss_fn) if self.loss_fn is not None else 0
+        if required > 1:
+            raise ValueError(
+                f"loss_fn takes {required} arguments, but it is called as loss_fn(output) with the model's "
+                "output alone: a step of the model and the batch is training_step=, "
+                "as in magis.planned(model, training_step=step)"
+            )
 
     @staticmethod
     def output(model: torch.nn.Module, batch: Any) -> Any:
@@ -119,6 +127,16 @@ class UserStep:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise CaptureError(f"{what} must return a scalar loss tensor, got {got}")
         return loss
+
+
+def _required_positionals(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` needs (0 when its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return 0
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty)
 
 
 def _args(batch: tuple | torch.Tensor) -> tuple:

@@ -56,6 +56,7 @@ from magis.cost.memory import simulate_memory
 from magis.frontend.optimizer import start_states, with_optimizer
 from magis.frontend.step import UserStep, as_batch
 from magis.ir.graph import Graph
+from magis.plan import generated_step
 from magis.rules.early_update import every_parameter_early
 from magis.search.m_optimizer import Objective, SearchResult, m_optimize
 from yardstick.methods import magis_methods
@@ -310,13 +311,14 @@ def _magis_real(subject: Subject, limit: float | None) -> Runnable:
     """The plan run by the magis runtime, its update applied by AdamW's own math to a build of its own."""
     graph, order = _magis_simulate(subject, limit)
     program = lower(graph, order)
+    run = generated_step(program)  # generated once, as a plan does: not a step's cost
     own = subject.own_build()
     model = own.built.model
     params, optimizer, names, states = _with_optimizer(model, subject)
 
     def step(scope: AbstractContextManager) -> StepResult:
         with scope:
-            return run_program(program, model, own.inputs, optimizer=optimizer)
+            return run_program(program, model, own.inputs, optimizer=optimizer, runtime=run)
 
     used = first_gradients({n: (optimizer, params[n]) for n in names})
     return Runnable(step, own.built, None, tuple(states), used)
