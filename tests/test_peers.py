@@ -8,13 +8,14 @@ import json
 import logging
 
 import pytest
+import torch
 
 from magis.backend.eager import max_relative_error
 from magis.backend.meter import resident_tensors
 from magis.cli import main
 from magis.cost.memory import simulate_memory
 from magis.models import build_workload
-from yardstick.compare import Row, best_within, compare, pareto_front
+from yardstick.compare import Row, _float32_rounding, best_within, compare, pareto_front
 from yardstick.methods import METHODS, PEER, MethodUnavailable, Subject, Variant, variants
 from yardstick.peers.checkpointing import checkpoint_sqrt_segments
 from yardstick.protocol import measure_peak
@@ -239,3 +240,23 @@ def test_a_method_name_may_fix_its_own_limit():
     ]:
         with pytest.raises(ValueError, match=words):
             variants([bad])
+
+
+def test_gradients_off_eagers_float32_pass_only_within_its_own_error_against_float64():
+    """A method whose float32 gradients differ from eager's (other kernels, a gradient whose
+    terms cancel) is judged against the step in float64: float64's gradients rounded to
+    float32 pass; one gradient 1% off, far beyond eager's own float32 error, does not."""
+    subject = Subject("resnet50", "tiny", 4)
+    eager = variants(["eager"], [0.5], subject.batch_size)[0]
+    runnable = eager.real(subject)
+    _, result = measure_peak(runnable.step, [])
+    float32 = {**result.gradients, "<loss>": result.loss}
+    exact = _float32_rounding(subject, eager, float32, float32, tolerance=0.0, seed=0)
+    assert exact is not None and "float32 rounding" in exact
+    truth = subject.once("float64_reference", lambda: None)  # made by the call above
+    assert all(t.dtype == torch.float64 for t in truth.values())
+    rounded = {name: t.float() for name, t in truth.items()}
+    assert _float32_rounding(subject, eager, float32, rounded, 1e-3, 0) is not None
+    name = next(n for n in rounded if n.endswith("convolution.weight"))
+    wrong = {**rounded, name: rounded[name] * 1.01}
+    assert _float32_rounding(subject, eager, float32, wrong, 1e-3, 0) is None
