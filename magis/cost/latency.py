@@ -476,10 +476,11 @@ class ProfiledCostModel:
         runtime = self.runtime_costs
         in_step = {name: self.cache.in_step[key] for name, key in step_keys.items() if key in self.cache.in_step}
         inputs = sum(1 for node in graph.nodes if node.is_input)
+        input_share = binding_seconds(graph, runtime) / inputs if inputs else 0.0
         seconds = {}
         for node in graph.nodes:
             if node.is_input:
-                seconds[node.name] = binding_seconds(graph, runtime) / inputs
+                seconds[node.name] = input_share
             elif node.name in estimates:
                 seconds[node.name] = estimates[node.name]
             elif node.name in in_step and _delegated_seconds(graph, node, self) is None:
