@@ -20,6 +20,7 @@ import torch
 
 from magis.backend.eager import GRADIENT_TOLERANCE, compare_gradients
 from magis.backend.meter import resident_tensors
+from magis.backend.runtime import StepResult
 from magis.backend.verify import EAGER_NOISE_MARGIN
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
@@ -30,6 +31,7 @@ from yardstick.methods import (
     DEFAULT_DEVICE,
     PEER,
     MethodUnavailable,
+    Runnable,
     Subject,
     Variant,
     variants,
@@ -205,8 +207,7 @@ def _measure_all(
         except MethodUnavailable as err:
             _skip(comparison, variant, err, chosen[0], say)
             continue
-        used = result.gradients if runnable.used_gradients is None else runnable.used_gradients()
-        gradients = {**used, "<loss>": result.loss}
+        gradients = _gradients_and_loss(runnable, result)
         reference = gradients if reference is None else reference
         versus_eager, notes[variant] = compare_gradients(reference, gradients), runnable.gradient_note
         errors[variant] = versus_eager.max_error
@@ -255,6 +256,13 @@ def _measure_all(
         )
 
 
+def _gradients_and_loss(runnable: Runnable, result: StepResult) -> dict[str, torch.Tensor]:
+    """What a method's step is checked on: the gradients it uses (its own, or what it says it
+    used) and its loss under ``"<loss>"``."""
+    used = result.gradients if runnable.used_gradients is None else runnable.used_gradients()
+    return {**used, "<loss>": result.loss}
+
+
 def _float32_rounding(
     subject: Subject,
     reference: Variant,
@@ -278,8 +286,7 @@ def _float32_rounding(
         exact = replace(subject, dtype=torch.float64)
         runnable = reference.real(exact)
         _, result = protocol.measure_peak(runnable.step, [], seed)
-        used = result.gradients if runnable.used_gradients is None else runnable.used_gradients()
-        return {**used, "<loss>": result.loss}
+        return _gradients_and_loss(runnable, result)
 
     exact = subject.once("float64_reference", make)
     eager_error = compare_gradients(exact, eager).errors
