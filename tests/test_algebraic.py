@@ -23,6 +23,7 @@ from magis.rules.algebraic import (
     split_rewrites,
 )
 from magis.rules.ftree_mutation import apply_ftree
+from magis.rules.in_place import in_place, in_place_candidates
 from magis.search.graph_hash import wl_hash
 from magis.search.state import changed_nodes
 
@@ -175,3 +176,31 @@ def test_ftree_is_reanalysed_only_where_a_rewrite_touched_it(bert):
     assert untouched <= {c.axes for c in updated.candidates}
     # the merged matmul is in a component Algorithm 1 ran on again: new candidates may hold new nodes
     assert apply_ftree(rewrite.graph, updated, order).graph is not rewrite.graph
+
+
+class SharedLayer(nn.Module):
+    """One layer applied to two inputs: two independent matmuls reading one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8, bias=False)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.layer(a)) + self.layer(b)
+
+
+def test_a_matmul_written_in_place_is_never_merged():
+    """Merged, two matmuls' results share one storage: a ReLU written into one of them would be
+    ordered after every reader of the other (a cycle where those read what the ReLU makes)."""
+    graph = capture(
+        SharedLayer().double(), tuple(torch.randn(4, 8, dtype=torch.float64) for _ in range(2)), lambda out: out.sum()
+    )
+    assert find_shared_matmuls(graph), "the two inputs' matmuls read the same weight"
+    written = in_place(graph, in_place_candidates(graph))
+    assert written.writers, "a ReLU runs in place on a matmul's result"
+    writes_into = {key[0] for key in written.writers}
+    left = {m for shared in find_shared_matmuls(written) for m in shared.matmuls}
+    assert not left & writes_into
+    for rewrite in merge_rewrites(written):
+        order = [n.name for n in rewrite.graph.nodes]
+        assert len(order) == len(set(order)) == len(rewrite.graph.index)

@@ -68,10 +68,15 @@ def value_key(graph: Graph, name: str) -> str:
 
 def find_shared_matmuls(graph: Graph) -> list[SharedMatmuls]:
     """Groups of at least two ``mm`` nodes reading the same right operand, none depending
-    on another's result (the stacked operand needs every left operand first)."""
+    on another's result (the stacked operand needs every left operand first) nor written in
+    place afterwards (merged, the results share one storage: a write into one would be
+    ordered after every reader of the others, a cycle where those read what the write makes)."""
     groups: dict[tuple, list[str]] = {}
+    written = graph.writers
     for node in graph.nodes:
         if node.target is not aten.mm.default or not all(isinstance(a, Ref) for a in node.args):
+            continue
+        if (node.name, 0) in written:
             continue
         left = graph[node.args[0].name].meta
         key = (value_key(graph, node.args[1].name), left.dtype, left.shape[1])
