@@ -13,6 +13,7 @@ from torch import nn
 import magis
 from magis.backend.meter import LiveTensorMeter
 from magis.frontend.optimizer import ParameterUpdate
+from magis.rules.tied_gradient import EmbeddingGradientInto
 
 STEPS = 10
 
@@ -299,20 +300,45 @@ def test_a_large_parameter_is_updated_slice_by_slice_exactly(monkeypatch, dtype:
     assert abs(measured - plan.peak_bytes) <= 0.02 * plan.peak_bytes, (measured, plan.peak_bytes)
 
 
-def test_a_tied_weight_is_updated_from_its_two_gradients_slice_by_slice(monkeypatch) -> None:
-    """A tied weight's gradient is the sum of its two uses'; updated in slices, the update adds
-    them a slice at a time (the whole sum never exists), exactly as eager's step."""
-    monkeypatch.setattr(magis.frontend.optimizer, "PIECE_BYTES", 2048)  # the 5 KiB embedding is large
+class TwiceUsed(nn.Module):
+    """A layer applied twice (weights shared inside a model, as ALBERT's): its weight's gradient
+    is the sum of its two uses', two matmuls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.square = nn.Linear(16, 16, bias=False)
+        self.out = nn.Linear(16, 40)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.square(torch.relu(self.square(self.embed(ids))))))
+
+
+@pytest.mark.parametrize("shared", ["embedding", "twice-used"])
+def test_a_shared_weight_is_updated_from_its_two_gradients_slice_by_slice(monkeypatch, shared) -> None:
+    """A shared weight's gradient is the sum of its two uses'; its update runs in slices. A tied
+    embedding's sum is made in place, its embedding term a slice at a time
+    (:mod:`magis.rules.tied_gradient`); any other sum is added by the update a slice at a time
+    (the whole sum never exists). Both exactly as eager's step, measured as simulated."""
+    monkeypatch.setattr(magis.frontend.optimizer, "PIECE_BYTES", 512 if shared == "twice-used" else 2048)
     model, batch = _workload("tied")
+    if shared == "twice-used":
+        model = TwiceUsed().double()
     twin = copy.deepcopy(model)
     opt, opt_twin = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, twin))
     plan = magis.optimize(
         model, batch, training_step=_loss, optimizer=opt, memory_limit=0.9, time_budget=10, progress=False
     )
     updates = [n for n in plan.graph.nodes if isinstance(n.target, ParameterUpdate)]
-    (tied,) = [n for n in updates if "embed.weight" in n.target.params]
-    assert tied.target.summed and tied.target.pieces == 8  # at least SUMMED_PIECES: 3 slices + 2 terms < 3 weights
-    assert len(tied.target.gradients(tied)) == 2
+    weight = "embed.weight" if shared == "embedding" else "square.weight"
+    (update,) = [n for n in updates if weight in n.target.params]
+    assert update.target.pieces > 1
+    if shared == "embedding":
+        (gradient,) = update.target.gradients(update)
+        assert isinstance(plan.graph[gradient].target, EmbeddingGradientInto)
+    else:
+        assert update.target.summed and update.target.pieces == 8  # SUMMED_PIECES: 3 slices + 2 terms < 3 weights
+        assert len(update.target.gradients(update)) == 2
     _ten_steps_as_eager(plan, model, twin, opt, opt_twin, batch)
     with LiveTensorMeter(resident=_resident(model, opt, batch)) as meter:
         plan(*batch)

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from magis.ir.graph import Graph, Ref, is_view
+from magis.ir.graph import Graph, Node, Ref, is_view
 from magis.rules.rewrite import Rewrite
 
 aten = torch.ops.aten
@@ -50,35 +50,49 @@ IN_PLACE = {
 }
 
 
-def in_place_candidates(graph: Graph) -> list[str]:
-    """The activations of ``graph`` that may write into their input (module docstring), in node order."""
+def storage_readers(graph: Graph) -> dict[tuple[str, int], set[str]]:
+    """The nodes that read each storage, through any view (a view itself reads nothing)."""
     readers: dict[tuple[str, int], set[str]] = {}
     for node in graph.nodes:
-        if is_view(node):  # a view reads nothing: its readers read the storage
+        if is_view(node):
             continue
         for name in node.inputs:
             for key in graph.storages[name]:
                 if key is not None:
                     readers.setdefault(key, set()).add(node.name)
+    return readers
+
+
+def overwritable(
+    graph: Graph, source: str, node: Node, readers: dict[tuple[str, int], set[str]], held: set[tuple[str, int]]
+) -> bool:
+    """Whether ``node`` may write its result into ``source`` (module docstring): ``source`` owns a
+    whole storage, laid out as the result, that is not resident, not ``held`` by an output, and
+    read by ``node`` alone (``readers``: :func:`storage_readers`)."""
+    key, meta = graph.storages[source][0], graph[source].meta
+    return not (
+        key is None
+        or len(graph[source].outputs) != 1
+        or key[0] in graph.persistent
+        or key in held
+        or readers.get(key) != {node.name}
+        or graph.storage_bytes[key] != meta.nbytes
+        or meta != node.meta
+    )
+
+
+def in_place_candidates(graph: Graph) -> list[str]:
+    """The activations of ``graph`` that may write into their input (module docstring), in node order."""
+    readers = storage_readers(graph)
     held = {key for name in graph.outputs for key in graph.storages[name] if key is not None}
-    found = []
-    for node in graph.nodes:
-        if node.target not in IN_PLACE or not node.args or not isinstance(node.args[0], Ref):
-            continue
-        source = node.args[0].name
-        key, meta = graph.storages[source][0], graph[source].meta
-        if (
-            key is None
-            or len(graph[source].outputs) != 1
-            or key[0] in graph.persistent
-            or key in held
-            or readers.get(key) != {node.name}
-            or graph.storage_bytes[key] != meta.nbytes
-            or meta != node.meta
-        ):
-            continue
-        found.append(node.name)
-    return found
+    return [
+        node.name
+        for node in graph.nodes
+        if node.target in IN_PLACE
+        and node.args
+        and isinstance(node.args[0], Ref)
+        and overwritable(graph, node.args[0].name, node, readers, held)
+    ]
 
 
 def in_place(graph: Graph, names: list[str]) -> Graph:

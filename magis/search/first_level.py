@@ -29,6 +29,7 @@ from magis.rules.early_update import early_updates
 from magis.rules.ftree_mutation import consistent
 from magis.rules.output_backward import backward_from_outputs
 from magis.rules.rewrite import Timeline
+from magis.rules.tied_gradient import tied_gradient_rewrites
 from magis.search.ledger import Ledger
 from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
 from magis.search.single_fission import fission_numbers, separable_step
@@ -79,6 +80,8 @@ class FirstLevel:
         ledger.consider(separable, push=True)
         if "backward-from-output" in self.rules:
             separable = self._backward_from_outputs(separable)
+        if "tied-gradient" in self.rules:
+            separable = self._tied_gradients(separable)
         if "compact" in self.rules:
             self._packed_masks(separable)
         if "early-update" in self.rules:
@@ -109,6 +112,20 @@ class FirstLevel:
             touched = changed_nodes(separable.base, rewrite.graph)
             state = self._rewritten(
                 separable, rewrite.graph, order, touched, "backward-from-output", rewrite.description
+            )
+            if state is not None and state.peak_bytes <= separable.peak_bytes:
+                return state
+        return separable
+
+    def _tied_gradients(self, separable: MState) -> MState:
+        """The separable step with each tied weight's gradient summed in place, its embedding term
+        a vocabulary slice at a time (:mod:`magis.rules.tied_gradient`), as the base of the rest
+        of the first level: exact, and where the sum is the peak (a language model's last
+        moment at small sizes) no fission or recomputation lowers it. ``separable`` where the
+        rule finds nothing or the result peaks higher."""
+        for rewrite in tied_gradient_rewrites(separable.base, separable.base_order):
+            state = self._rewritten(
+                separable, rewrite.graph, rewrite.order, rewrite.touched, "tied-gradient", rewrite.description
             )
             if state is not None and state.peak_bytes <= separable.peak_bytes:
                 return state

@@ -37,6 +37,7 @@ from magis.rules import (
     output_backward,
     remat,
     swap,
+    tied_gradient,
 )
 from magis.rules.rewrite import Rewrite
 
@@ -106,6 +107,7 @@ register_graph_rule("concat-conv", identity.concat_conv_rewrites)
 register_graph_rule("concat-depthwise", identity.concat_depthwise_rewrites)
 register_graph_rule("backward-from-output", output_backward.backward_from_outputs)
 register_graph_rule("in-place", in_place.in_place_rewrites)
+register_graph_rule("tied-gradient", tied_gradient.tied_gradient_rewrites)
 register_graph_rule("merge-matmuls", algebraic.merge_rewrites)
 register_graph_rule("split-matmuls", algebraic.split_rewrites)
 register_graph_rule("remat", remat.remat, scheduled=True)
