@@ -88,20 +88,49 @@ def measure_workload(name: str, preset: str, device: torch.device, limits: list[
     built, model, batch, reference, eager = _with_eager(name, preset, device, args)
     rows = []
     for limit in limits:
-        start = time.perf_counter()
-        try:
-            plan = magis.optimize(
-                model, batch, built.loss_fn, memory_limit=limit, time_budget=args.time_budget, device=args.cost_model
-            )
-        except InfeasibleLimit as err:
-            rows.append({"memory_limit": limit, "infeasible": str(err)})
-            continue
-        row = {"memory_limit": limit, "search_s": time.perf_counter() - start}
-        rows.append({**row, **_measured(plan, model, batch, reference, eager, args)})
+        plan, row = _planned(name, built.loss_fn, model, batch, limit, args, compiled=False)
+        if plan is not None:
+            row.update(_measured(plan, model, batch, reference, eager, args))
+        rows.append(row)
         del plan
         _release(device)
         print(f"  {name} @ {limit}: {rows[-1]}", file=sys.stderr, flush=True)
     return {"model": name, "preset": preset, "device": str(device), "eager": eager, "plans": rows}
+
+
+def _plan_path(name: str, limit: float, compiled: bool, args: Any) -> Path | None:
+    """Where ``--plans`` keeps the plan of ``name`` at ``limit`` (None without ``--plans``)."""
+    if not args.plans:
+        return None
+    return Path(args.plans) / f"{name}-{args.preset}-{limit}{'-compiled' if compiled else ''}.magis"
+
+
+def _planned(
+    name: str, loss_fn: Any, model: torch.nn.Module, batch: tuple, limit: float, args: Any, compiled: bool
+) -> tuple[magis.Plan | None, dict[str, Any]]:
+    """The plan of ``limit`` (``compiled``: searched with ``compile=True``) and its row so far: read
+    from ``--plans`` where an earlier ``--search-only`` run saved it, else searched (and saved
+    there). None and the reason where no plan meets the limit."""
+    path = _plan_path(name, limit, compiled, args)
+    if path is not None and path.exists():
+        plan = dataclasses.replace(magis.load_plan(path, model), runtime="compiled" if compiled else "generated")
+        return plan, {"memory_limit": limit, "search_s": plan.report().search["seconds"], "plan_file": path.name}
+    start = time.perf_counter()
+    try:
+        plan = magis.optimize(
+            model,
+            batch,
+            loss_fn,
+            memory_limit=limit,
+            time_budget=args.time_budget,
+            device=args.cost_model,
+            compile=compiled,
+        )
+    except InfeasibleLimit as err:
+        return None, {"memory_limit": limit, "infeasible": str(err)}
+    if path is not None:
+        plan.save(path)
+    return plan, {"memory_limit": limit, "search_s": time.perf_counter() - start}
 
 
 def _measured(plan: magis.Plan, model: torch.nn.Module, batch: tuple, reference: Any, eager: dict, args: Any) -> dict:
@@ -143,20 +172,10 @@ def measure_compiled_plans(name: str, preset: str, device: torch.device, limits:
     built, model, batch, reference, eager = _with_eager(name, preset, device, args)
     rows = []
     for limit in limits:
-        try:
-            plan = magis.optimize(
-                model,
-                batch,
-                built.loss_fn,
-                memory_limit=limit,
-                time_budget=args.time_budget,
-                device=args.cost_model,
-                compile=True,
-            )
-        except InfeasibleLimit as err:
-            rows.append({"memory_limit": limit, "infeasible": str(err)})
-            continue
-        rows.append({"memory_limit": limit, **_measured(plan, model, batch, reference, eager, args)})
+        plan, row = _planned(name, built.loss_fn, model, batch, limit, args, compiled=True)
+        if plan is not None:
+            row.update(_measured(plan, model, batch, reference, eager, args))
+        rows.append(row)
         del plan
         _release(device)
         print(f"  {name} compiled @ {limit}: {rows[-1]}", file=sys.stderr, flush=True)
@@ -216,6 +235,24 @@ def measure_compiled(name: str, preset: str, device: torch.device, args: Any) ->
     return row
 
 
+def search_only(name: str, device: torch.device, limits: list[float], args: Any) -> None:
+    """``--search-only``: each limit's plans searched and saved in ``--plans`` (no measurement),
+    each compiled plan and ``compile@1`` called once so that Inductor's cache holds their
+    kernels: run one process per workload at once, then measure them one by one from the files."""
+    built = WORKLOADS[name].build(args.preset)
+    model = built.model.to(device)
+    batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
+    for limit in limits:
+        for compiled in (False, True) if args.compile_plans else (False,):
+            plan, row = _planned(name, built.loss_fn, model, batch, limit, args, compiled)
+            if plan is not None and compiled:
+                _plan_step(plan, model, batch)
+            print(f"  {name} @ {limit}{' compiled' if compiled else ''}: {row}", file=sys.stderr, flush=True)
+    if args.compile_peer:
+        eager_step(torch.compile(model), batch, built.loss_fn)
+        model.zero_grad(set_to_none=True)
+
+
 def plot(payload: dict[str, Any], path: str) -> None:
     """Two panels per workload (its first limit): peak ratio and step ratio to eager, the
     plan's simulated and measured figures beside the compiled plan's and compile@1's where
@@ -237,7 +274,7 @@ def plot(payload: dict[str, Any], path: str) -> None:
         "step": [
             ("simulated", [r["simulated_latency_ratio"] for _, r in rows]),
             ("measured", [r["measured_step_ratio"] for _, r in rows]),
-            ("CUDA graph", [(r.get("graphs") or {}).get("measured_step_ratio", float("nan")) for _, r in rows]),
+            ("CUDA graph", [_replayed_step(r) for _, r in rows]),
             ("compiled plan", [compiled_plans.get(n, {}).get("measured_step_ratio", float("nan")) for n in names]),
             ("compile@1", [compiled.get(n, {}).get("step_ratio", float("nan")) for n in names]),
         ],
@@ -255,6 +292,12 @@ def plot(payload: dict[str, Any], path: str) -> None:
     fig.suptitle(f"magis plans at memory limit {limit} on {payload.get('device', '?')}: simulated vs measured")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _replayed_step(row: dict[str, Any]) -> float:
+    """The step ratio of a plan replayed as a CUDA graph; NaN where the capture fell back."""
+    graphs = row.get("graphs") or {}
+    return graphs["measured_step_ratio"] if graphs.get("captured") else float("nan")
 
 
 def _release(device: torch.device) -> None:
@@ -275,6 +318,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--compile-peer", action="store_true", help="also time torch.compile's step (compile@1)")
     parser.add_argument("--compile-plans", action="store_true", help="also run each plan searched with compile=True")
+    parser.add_argument("--plans", default=None, metavar="DIR", help="read saved plans from DIR, save searched ones")
+    parser.add_argument(
+        "--search-only", action="store_true", help="only search and save the plans in --plans (and warm Inductor)"
+    )
     parser.add_argument("--out", default="results/plan_run.json")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the first limit's ratios")
     parser.add_argument("--plot-only", default=None, metavar="JSON", help="only draw a run's JSON (with --plot)")
@@ -284,6 +331,13 @@ def main() -> None:
         return
     device = torch.device(args.device)
     limits = [float(x) for x in args.limits.split(",")]
+    if args.search_only:
+        if not args.plans:
+            parser.error("--search-only saves the plans in --plans DIR")
+        Path(args.plans).mkdir(parents=True, exist_ok=True)
+        for name in args.models.split(","):
+            search_only(name, device, limits, args)
+        return
     payload: dict[str, Any] = {"device": _device_name(device), "workloads": [], "compile@1": [], "compiled": []}
     names = args.models.split(",")
     for name in names:  # each workload whole before the next: a run cut short keeps complete rows
