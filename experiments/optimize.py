@@ -23,7 +23,8 @@ Writes ``<out>/<workload>-<preset>.json`` and ``.png`` (the memory-latency plane
   and the one the search simulated, in points (measured minus simulated);
 - (e) with ``--runtimes``: ``magis-optimize@M``'s plan run by the interpreter and compiled
   (``compile=True``) beside its generated code: each one's latency ratio to eager, its time
-  over ``compile@1``'s and its peak beside the lowest ``compile@B`` within its own time.
+  over ``torch.compile``'s (``inductor@1`` with ``--peers ...,inductor``, else ``compile@1``) and
+  its peak beside the lowest such peer at any budget within its own time.
 
     python experiments/optimize.py [--models bert-base,unet] [--presets paper,small]
                              [--peers eager,accumulate,compile,...] [--budget 1 0.5 0.1]
@@ -190,9 +191,11 @@ def summary(comparison: Comparison, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _runtime_columns(rows: dict[str, Row], name: str) -> dict[str, str]:
-    """A plan in one runtime: its latency ratio to eager, its time over ``compile@1``'s, and whether
-    its peak is no higher than the lowest ``compile@B`` as fast as it ("-": none is)."""
-    plan, full = rows.get(name), rows.get("compile@1")
+    """A plan in one runtime: its latency ratio to eager, its time over ``torch.compile``'s (Inductor's
+    ``inductor@1`` where it ran, else the partitioner's graphs run eagerly, ``compile@1``), and
+    whether its peak is no higher than the lowest such peer at any budget as fast as it ("-": none is)."""
+    peer = "inductor" if "inductor@1" in rows else "compile"
+    plan, full = rows.get(name), rows.get(f"{peer}@1")
     if plan is None:
         return {f"{name}: lat": "-"}
     out = {f"{name}: lat": f"{plan.latency_ratio:.3f}"}
@@ -200,10 +203,10 @@ def _runtime_columns(rows: dict[str, Row], name: str) -> dict[str, str]:
         within = [
             row.peak_ratio
             for method, row in rows.items()
-            if method.startswith("compile@") and row.latency_ratio <= plan.latency_ratio
+            if method.startswith(f"{peer}@") and row.latency_ratio <= plan.latency_ratio
         ]
-        out[f"{name}: / compile@1"] = f"{plan.latency_ratio / full.latency_ratio:.3f}"
-        out[f"{name}: peak vs compile@B"] = f"{plan.peak_ratio:.3f} vs {min(within):.3f}" if within else "-"
+        out[f"{name}: / {peer}@1"] = f"{plan.latency_ratio / full.latency_ratio:.3f}"
+        out[f"{name}: peak vs {peer}@B"] = f"{plan.peak_ratio:.3f} vs {min(within):.3f}" if within else "-"
     return out
 
 

@@ -18,7 +18,7 @@ from magis.models import build_workload
 from yardstick.compare import Row, _float32_rounding, best_within, compare, pareto_front
 from yardstick.methods import METHODS, PEER, MethodUnavailable, Subject, Variant, variants
 from yardstick.peers.checkpointing import checkpoint_sqrt_segments
-from yardstick.protocol import measure_peak
+from yardstick.protocol import Rounds, measure_peak
 
 PEERS = [name for name, method in METHODS.items() if method.kind == PEER and not method.opt_in]
 
@@ -260,3 +260,14 @@ def test_gradients_off_eagers_float32_pass_only_within_its_own_error_against_flo
     name = next(n for n in rounded if n.endswith("convolution.weight"))
     wrong = {**rounded, name: rounded[name] * 1.01}
     assert _float32_rounding(subject, eager, float32, wrong, 1e-3, 0) is None
+
+
+def test_inductor_peer_runs_compiled_with_eagers_gradients_and_its_simulated_peak():
+    """``inductor@1`` is ``torch.compile(model)`` as users call it: Inductor's kernels, eager's
+    gradients; the meter cannot see Inductor's buffers, so its row's peak is the partitioner's
+    simulated one, and the row says so."""
+    comparison = compare("unet", "tiny", ["eager", "inductor"], [1.0], rounds=Rounds(1, max_repeats=1))
+    row = next(r for r in comparison.rows if r.method == "inductor@1")
+    assert row.measured and row.max_grad_error < 1e-4
+    simulated = simulate_memory(*METHODS["inductor"].simulate(Subject("unet", "tiny"), 1.0)).peak
+    assert row.peak_bytes == simulated and row.details["peak"].startswith("simulated")

@@ -1,7 +1,10 @@
 """``compile``: ``torch.compile``'s min-cut partitioner under
-``torch._functorch.config.activation_memory_budget`` (``compile@0.5``).
+``torch._functorch.config.activation_memory_budget`` (``compile@0.5``), and ``inductor``: the
+same partition compiled by Inductor, as users run ``torch.compile`` (``inductor@1``).
 
-It runs for real compiled, and is simulated as the partitioner's forward and backward graphs
+``compile`` runs the partitioner's forward and backward graphs eagerly, each one metered: a
+memory peer, not ``torch.compile``'s speed. ``inductor`` (opt-in: compiling takes minutes on a
+CPU) is that speed; its peak is simulated. Both are simulated as the partitioner's graphs
 (:mod:`yardstick.peers.partitioned_capture`).
 """
 
@@ -54,6 +57,28 @@ def _room_for_every_variant() -> AbstractContextManager:
     return config.patch(**{name: MAX_COMPILED_VARIANTS})
 
 
+def inductor_real(subject: Subject, budget: float | None) -> Runnable:
+    """``torch.compile(model)`` as a user calls it (Inductor, its default backend) under
+    ``budget``, drawing random numbers as eager does (``fallback_random``): the step a compiled
+    plan must beat in time. Inductor allocates its buffers
+    below the dispatcher, where the live-tensor meter sees nothing, and dynamo runs eagerly
+    under the meter's dispatch mode: the step runs unmetered and the row's peak is that of
+    the partitioner's graphs (:func:`compile_simulate`, fusion not counted)."""
+    assert budget is not None
+    compiled = torch.compile(subject.built.model)
+    inner = eager_runnable(subject.built, subject, compiled)
+
+    def step(scope: AbstractContextManager) -> StepResult:
+        # eager's random ops (Inductor's own generator would draw other dropout masks: another step)
+        with memory_budget(budget), _room_for_every_variant(), torch._inductor.config.patch(fallback_random=True):
+            result = inner.step(contextlib.nullcontext())
+        grads = {name.removeprefix("_orig_mod."): g for name, g in result.gradients.items()}
+        return StepResult(result.loss, grads, {})
+
+    note = "Inductor's buffers are allocated below the dispatcher, out of the live-tensor meter's sight"
+    return Runnable(step, subject.built, inner.gradient_note, unmetered=note)
+
+
 def compile_simulate(subject: Subject, budget: float | None) -> Simulated:
     assert budget is not None
 
@@ -71,5 +96,16 @@ register(
         compile_real,
         compile_simulate,
         budgeted=True,
+    )
+)
+register(
+    Method(
+        "inductor",
+        "torch.compile as users call it (Inductor) under activation_memory_budget: timed, peak simulated",
+        PEER,
+        inductor_real,
+        compile_simulate,
+        budgeted=True,
+        opt_in=True,
     )
 )
