@@ -63,6 +63,11 @@ def storage_readers(graph: Graph) -> dict[tuple[str, int], set[str]]:
     return readers
 
 
+def output_storages(graph: Graph) -> set[tuple[str, int]]:
+    """The storages ``graph``'s outputs hold (never written over)."""
+    return {key for name in graph.outputs for key in graph.storages[name] if key is not None}
+
+
 def overwritable(
     graph: Graph, source: str, node: Node, readers: dict[tuple[str, int], set[str]], held: set[tuple[str, int]]
 ) -> bool:
@@ -83,8 +88,7 @@ def overwritable(
 
 def in_place_candidates(graph: Graph) -> list[str]:
     """The activations of ``graph`` that may write into their input (module docstring), in node order."""
-    readers = storage_readers(graph)
-    held = {key for name in graph.outputs for key in graph.storages[name] if key is not None}
+    readers, held = storage_readers(graph), output_storages(graph)
     return [
         node.name
         for node in graph.nodes

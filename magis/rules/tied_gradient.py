@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from magis.ir.graph import Graph, Node, Ref, is_view
-from magis.rules.in_place import overwritable, storage_readers
+from magis.rules.in_place import output_storages, overwritable, storage_readers
 from magis.rules.rewrite import Rewrite, prune_dead
 
 aten = torch.ops.aten
@@ -102,8 +102,7 @@ def tied_sums(graph: Graph) -> list[tuple[str, str, str]]:
     gradient to a tensor it may overwrite: of the same shape, dtype and layout as the sum,
     owning a whole storage that nothing else reads and that is neither resident nor an output
     (:func:`magis.rules.in_place.overwritable`); the embedding's gradient is read by the sum alone."""
-    readers = storage_readers(graph)
-    held = {key for name in graph.outputs for key in graph.storages[name] if key is not None}
+    readers, held = storage_readers(graph), output_storages(graph)
     found = []
     for node in graph.nodes:
         if node.target is not aten.add.Tensor or node.kwargs_dict().get("alpha", 1) != 1:

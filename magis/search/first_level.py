@@ -18,6 +18,7 @@ simulates every candidate of every rule.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from magis.analysis.ftree import next_divisor, update_ftree
@@ -28,7 +29,7 @@ from magis.rules.compact import bit_mask_proposals, packed_masks
 from magis.rules.early_update import early_updates
 from magis.rules.ftree_mutation import consistent
 from magis.rules.output_backward import backward_from_outputs
-from magis.rules.rewrite import Timeline
+from magis.rules.rewrite import Rewrite, Timeline
 from magis.rules.tied_gradient import tied_gradient_rewrites
 from magis.search.ledger import Ledger
 from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
@@ -78,10 +79,11 @@ class FirstLevel:
         if separable is None:  # nothing to rewrite: the captured step is separable as it is
             separable = replace(initial, tree=step.tree)
         ledger.consider(separable, push=True)
-        if "backward-from-output" in self.rules:
-            separable = self._backward_from_outputs(separable)
-        if "tied-gradient" in self.rules:
-            separable = self._tied_gradients(separable)
+        if "backward-from-output" in self.rules:  # the same values from fewer saved tensors
+            separable = self._as_base(separable, "backward-from-output", backward_from_outputs(separable.base))
+        if "tied-gradient" in self.rules:  # exact; where the sum is the peak nothing else lowers it
+            rewrites = tied_gradient_rewrites(separable.base, separable.base_order)
+            separable = self._as_base(separable, "tied-gradient", rewrites)
         if "compact" in self.rules:
             self._packed_masks(separable)
         if "early-update" in self.rules:
@@ -101,32 +103,14 @@ class FirstLevel:
         for state in dived:  # where time is left (small graphs): every n the estimate passed over
             self._fissions(state, roots=True)
 
-    def _backward_from_outputs(self, separable: MState) -> MState:
-        """The separable step with its activations' backwards reading their outputs
-        (:mod:`magis.rules.output_backward`) as the base of the rest of the first level: the
-        same values from fewer saved tensors, so every plan after it starts lower (the main
-        loop, which would find it too, may never be reached on a large step). ``separable``
-        where the rule finds nothing or the result peaks higher."""
-        for rewrite in backward_from_outputs(separable.base):
-            order = tuple(n for n in separable.base_order if n in rewrite.graph.index)
-            touched = changed_nodes(separable.base, rewrite.graph)
-            state = self._rewritten(
-                separable, rewrite.graph, order, touched, "backward-from-output", rewrite.description
-            )
-            if state is not None and state.peak_bytes <= separable.peak_bytes:
-                return state
-        return separable
-
-    def _tied_gradients(self, separable: MState) -> MState:
-        """The separable step with each tied weight's gradient summed in place, its embedding term
-        a vocabulary slice at a time (:mod:`magis.rules.tied_gradient`), as the base of the rest
-        of the first level: exact, and where the sum is the peak (a language model's last
-        moment at small sizes) no fission or recomputation lowers it. ``separable`` where the
-        rule finds nothing or the result peaks higher."""
-        for rewrite in tied_gradient_rewrites(separable.base, separable.base_order):
-            state = self._rewritten(
-                separable, rewrite.graph, rewrite.order, rewrite.touched, "tied-gradient", rewrite.description
-            )
+    def _as_base(self, separable: MState, rule: str, rewrites: Iterable[Rewrite]) -> MState:
+        """The first of ``rule``'s ``rewrites`` of the separable step whose peak is no higher, as a
+        state of its own and the base of the rest of the first level (the main loop, which would
+        find it too, may never be reached on a large step); ``separable`` where none is."""
+        for rewrite in rewrites:
+            order = rewrite.order or tuple(n for n in separable.base_order if n in rewrite.graph.index)
+            touched = rewrite.touched or changed_nodes(separable.base, rewrite.graph)
+            state = self._rewritten(separable, rewrite.graph, order, touched, rule, rewrite.description)
             if state is not None and state.peak_bytes <= separable.peak_bytes:
                 return state
         return separable
