@@ -225,31 +225,43 @@ def unsupported_ops(graph: Graph, dgraph: DGraph, nodes: frozenset[str]) -> tupl
 
 
 def component_entries(graph: Graph, members: frozenset[str]) -> tuple[str, ...]:
-    """The entry of ``G'``, Algorithm 1's input tensor: the first of the user's inputs
-    with an axis on ``D`` (the model input; the labels come after it). A dimension no
-    user input has (the heads of one layer) is entered at every node of ``G'`` without
-    a predecessor in it."""
-    for name in graph.signature.user_inputs:
-        if name in members:
-            return (name,)
-    return tuple(n for n in members if not any(p in members for p in graph[n].inputs))
+    """The entry of ``G'``, Algorithm 1's input tensor: of the nodes of ``G'`` without a
+    predecessor in it, the one from which the most of ``G'`` is reached, the user's first
+    input on a tie (the model input; the labels come after it and reach only the loss and
+    the backward). Usually that is the model input; where a layer's reshape cuts the
+    dimension off the input (an LSTM projects every time step at once, merging time and
+    batch as ``[T*B, E]`` with the batch inside, so the batch leaves the input's dimension
+    there) it is where the dimension starts again, ahead of the rest of the step. A
+    dimension no user input has (the heads of one layer) is entered at every node of ``G'``
+    without a predecessor in it."""
+    dag, ids = _member_dag(graph, members)
+    sources = [name for name, i in ids.items() if dag.in_degree(i) == 0]
+    user = [name for name in graph.signature.user_inputs if name in members]
+    if not user:
+        return tuple(sources)
+    return (max(sources, key=lambda n: (len(rx.descendants(dag, ids[n])), n == user[0])),)
+
+
+def _member_dag(graph: Graph, members: frozenset[str]) -> tuple[rx.PyDiGraph, dict[str, int]]:
+    """The data-flow graph ``G' = graph[members]`` and each member's index in it."""
+    dag = rx.PyDiGraph()
+    ids = {name: dag.add_node(name) for name in sorted(members, key=graph.index.__getitem__)}
+    for name, i in ids.items():
+        for p in graph[name].inputs:
+            if p in members:
+                dag.add_edge(ids[p], i, None)
+    return dag, ids
 
 
 def dominator_tree(graph: Graph, members: frozenset[str], entries: tuple[str, ...]) -> dict[str, str | None]:
     """Immediate dominators of the data-flow graph ``G' = graph[members]`` entered at
     ``entries`` through a virtual root (``None``). Nodes the entries do not reach are left out."""
-    dag = rx.PyDiGraph()
-    order = sorted(members, key=graph.index.__getitem__)
+    dag, ids = _member_dag(graph, members)
     root = dag.add_node(None)
-    ids = {name: dag.add_node(name) for name in order}
-    for name in order:
-        for p in graph[name].inputs:
-            if p in members:
-                dag.add_edge(ids[p], ids[name], None)
     for name in entries:
         dag.add_edge(root, ids[name], None)
     idom = rx.immediate_dominators(dag, root)
-    return {name: dag[idom[ids[name]]] for name in order if ids[name] in idom}
+    return {name: dag[idom[i]] for name, i in ids.items() if i in idom}
 
 
 def _has_dominator_in(idom: Mapping[str, str | None], v: str, bucket: set[str]) -> bool:
