@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from magis.cost import latency
 from magis.cost.device_profiles import DEVICE_PROFILES
 from magis.cost.kernel_model import Gemm, best_tiling
 from magis.cost.kin import KinTimes
@@ -357,6 +358,35 @@ def test_an_estimating_model_prices_another_batch_from_its_kin_without_timing(tm
     measuring = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2)
     estimate_latency(whole, order_of(whole), measuring)
     assert measuring.measurements > 0  # without estimate_unseen the new batch is timed
+
+
+def test_a_large_estimate_is_scaled_by_its_kin_timed_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An estimate above ``CHECK_ESTIMATE_S`` (here every one) is the kin's time in its step
+    scaled by the two operators' times alone, not by the roofline: here timing alone says the
+    convolution at batch 4 takes 3x its kin at batch 2 (the roofline says about 1x), and each
+    distinct operator is timed alone once."""
+    monkeypatch.setattr(latency, "CHECK_ESTIMATE_S", 0.0)
+    alone_calls = []
+
+    def alone(graph, names, strides, device, repeats):
+        for name in names:
+            alone_calls.append(name)
+            batch4 = any(m is not None and m.shape[:1] == (4,) for m in graph[name].outputs)
+            yield name, 1e-3 * (3.0 if batch4 else 1.0)
+
+    monkeypatch.setattr(latency, "measure_nodes", alone)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 5))
+    half, whole = (capture(model, (torch.randn(b, 3, 8, 8),), lambda out: out.sum()) for b in (2, 4))
+    estimating = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2, estimate_unseen=True)
+    first = dict(zip(order_of(half), estimate_latency(half, order_of(half), estimating).per_node_s))
+    assert not alone_calls  # the first graph is timed in its step
+    second = dict(zip(order_of(whole), estimate_latency(whole, order_of(whole), estimating).per_node_s))
+    conv = next(n.name for n in whole.nodes if n.op_name == "aten.convolution.default")
+    assert second[conv] == pytest.approx(3.0 * first[conv])
+    assert alone_calls.count(conv) == 2  # the convolution at batch 4, then its kin at batch 2
+    estimate_latency(whole, order_of(whole), estimating)
+    assert alone_calls.count(conv) == 2
 
 
 def test_identical_operators_are_measured_once(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ class KinTimes:
     def add(self, key: str, analytic_s: float, seconds: float) -> None:
         """Remember that the operator of ``key`` took ``seconds`` (its analytic time ``analytic_s``)."""
         known = self.by_skeleton.setdefault(_INTEGER.sub("#", key), {})
-        integers = tuple(int(i) for i in _INTEGER.findall(key))
+        integers = _integers(key)
         if integers not in known:
             known[integers] = (analytic_s, seconds)
             if analytic_s > 0:
@@ -51,7 +51,18 @@ class KinTimes:
         """Seconds the operator of ``key`` likely takes (class docstring)."""
         if key in self.estimates:
             return self.estimates[key]
-        integers = tuple(int(i) for i in _INTEGER.findall(key))
+        kin = self.nearest(key, analytic_s)
+        if kin is not None:
+            kin_analytic, kin_seconds = self.by_skeleton[_INTEGER.sub("#", key)][_integers(kin)]
+            seconds = kin_seconds * (analytic_s / kin_analytic if analytic_s > 0 and kin_analytic > 0 else 1.0)
+        else:
+            seconds = analytic_s * (statistics.median(self.ratios) if self.ratios else 1.0)
+        self.estimates[key] = seconds
+        return seconds
+
+    def nearest(self, key: str, analytic_s: float) -> str | None:
+        """The key of the nearest kin of ``key`` (class docstring), None when it has none."""
+        integers = _integers(key)
         kin = self.by_skeleton.get(_INTEGER.sub("#", key), {})
 
         def distance(other: tuple[int, ...]) -> tuple[int, float]:
@@ -60,10 +71,15 @@ class KinTimes:
             closeness = abs(math.log(analytic_s / kin_analytic)) if analytic_s > 0 and kin_analytic > 0 else 0.0
             return differing, closeness
 
-        if kin:
-            kin_analytic, kin_seconds = kin[min(kin, key=distance)]
-            seconds = kin_seconds * (analytic_s / kin_analytic if analytic_s > 0 and kin_analytic > 0 else 1.0)
-        else:
-            seconds = analytic_s * (statistics.median(self.ratios) if self.ratios else 1.0)
-        self.estimates[key] = seconds
-        return seconds
+        if not kin:
+            return None
+        values = iter(min(kin, key=distance))
+        return _INTEGER.sub(lambda _: str(next(values)), key)
+
+    def seconds(self, key: str) -> float:
+        """The time remembered for the operator of ``key`` (one :meth:`add` gave)."""
+        return self.by_skeleton[_INTEGER.sub("#", key)][_integers(key)][1]
+
+
+def _integers(key: str) -> tuple[int, ...]:
+    return tuple(int(i) for i in _INTEGER.findall(key))

@@ -65,6 +65,9 @@ _FLOP_ALIASES = {
 PROGRESS_MIN_OPS = 10
 #: a CPU step is timed in place only if its peak takes at most this share of the machine's memory.
 IN_STEP_MEMORY_SHARE = 0.25
+#: an operator estimated from its kin at more than this is timed alone, and so is its kin
+#: (:meth:`ProfiledCostModel._checked_estimates`)
+CHECK_ESTIMATE_S = 1e-3
 
 
 class CostModel(Protocol):
@@ -387,6 +390,11 @@ class ProfiledCostModel:
         self.measurements = 0
         #: operators this instance estimated from their kin instead of timing them
         self.estimated = 0
+        #: where each kin was timed (its graph, node and replayed strides), to time it alone
+        self._kin_sources: dict[str, tuple[Graph, str, dict[str, NodeStrides]]] = {}
+        #: operators timed alone to check an estimate, by key (kept here, not in the cache: an
+        #: operator in the cache is priced by that time, and these are priced by their kin's)
+        self._alone: dict[str, float | None] = {}
         self._graph_seconds: WeakKeyDictionary[Graph, dict[str, float]] = WeakKeyDictionary()
         self._fallback: AnalyticCostModel | None = None
 
@@ -435,6 +443,7 @@ class ProfiledCostModel:
         estimates: dict[str, float] = {}
         if unseen and self.estimate_unseen and self.kin:
             estimates = {name: self._kin_estimate(graph, name, keys) for name in unseen}
+            estimates.update(self._checked_estimates(graph, keys, strides, estimates))
         else:
             self._measure_in_step(graph, step_keys, strides)
             alone = {name: key for name, key in keys.items() if step_keys.get(name) not in self.cache.in_step}
@@ -445,7 +454,42 @@ class ProfiledCostModel:
                 kin_key = node_key(graph, name, keys)
                 if kin_key is not None:
                     self.kin.add(kin_key, self.fallback.node_seconds(graph, name), seconds[name])
+                    self._kin_sources.setdefault(kin_key, (graph, name, strides))
         return seconds
+
+    def _checked_estimates(
+        self, graph: Graph, keys: dict[str, str], strides: dict[str, NodeStrides], estimates: dict[str, float]
+    ) -> dict[str, float]:
+        """The estimates above :data:`CHECK_ESTIMATE_S` made again: the kin's time in its step
+        scaled by the ratio of the two operators timed alone, instead of by the roofline. A
+        roofline keeps the efficiency of a kernel whatever its shape, but half a matrix product
+        on a CPU runs below the whole's flop rate (GPT-Neo small's vocabulary head split in two
+        rows: 8% slower per flop), and an operator whose nearest kin has another layout or
+        access pattern (an embedding of half the rows) can be off several times. Timing both
+        alone takes a few runs of each distinct shape (a step repeats its layers' shapes), not
+        ten runs of the step."""
+        checked: dict[str, float] = {}
+        for name, estimate in estimates.items():
+            key = keys.get(name)
+            if key is None or estimate < CHECK_ESTIMATE_S:
+                continue
+            kin = self.kin.nearest(key, self.fallback.node_seconds(graph, name))
+            source = self._kin_sources.get(kin) if kin is not None else None
+            if kin is None or source is None:
+                continue
+            alone, kin_alone = self._time_alone(key, graph, name, strides), self._time_alone(kin, *source)
+            if alone and kin_alone:
+                checked[name] = self.kin.estimates[key] = self.kin.seconds(kin) * alone / kin_alone
+        return checked
+
+    def _time_alone(self, key: str, graph: Graph, name: str, strides: dict[str, NodeStrides]) -> float | None:
+        """Seconds node ``name`` of ``graph`` (operator ``key``) takes alone, timed once per key."""
+        if key not in self._alone:
+            self._alone[key] = (
+                self.cache.ops.get(key) or next(measure_nodes(graph, [name], strides, self.device, self.repeats))[1]
+            )
+            self.measurements += 1
+        return self._alone[key]
 
     def _step_keys(self, graph: Graph, keys: dict[str, str]) -> dict[str, str]:
         """On CPU, the key of each node's time in its step (:func:`~magis.cost.op_keys.in_step_key`),
