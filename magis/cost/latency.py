@@ -464,7 +464,7 @@ class ProfiledCostModel:
         scaled by the ratio of the two operators timed alone, instead of by the roofline. A
         roofline keeps the efficiency of a kernel whatever its shape, but half a matrix product
         on a CPU runs below the whole's flop rate (GPT-Neo small's vocabulary head split in two
-        rows: 8% slower per flop), and an operator whose nearest kin has another layout or
+        rows: 8-12% slower per flop), and an operator whose nearest kin has another layout or
         access pattern (an embedding of half the rows) can be off several times. Timing both
         alone takes a few runs of each distinct shape (a step repeats its layers' shapes), not
         ten runs of the step."""
@@ -485,10 +485,10 @@ class ProfiledCostModel:
     def _time_alone(self, key: str, graph: Graph, name: str, strides: dict[str, NodeStrides]) -> float | None:
         """Seconds node ``name`` of ``graph`` (operator ``key``) takes alone, timed once per key."""
         if key not in self._alone:
-            self._alone[key] = (
-                self.cache.ops.get(key) or next(measure_nodes(graph, [name], strides, self.device, self.repeats))[1]
-            )
-            self.measurements += 1
+            self._alone[key] = self.cache.ops.get(key)
+            if self._alone[key] is None:
+                self._alone[key] = next(measure_nodes(graph, [name], strides, self.device, self.repeats))[1]
+                self.measurements += 1
         return self._alone[key]
 
     def _step_keys(self, graph: Graph, keys: dict[str, str]) -> dict[str, str]:
