@@ -174,6 +174,21 @@ def test_swap_front_swaps_and_refuses_a_cpu():
         swap_front(graph, cost_model("cpu"))
 
 
+def test_the_swap_greedy_takes_several_layers_tensors_in_one_round():
+    """Step 6 for swapping: a deep stack saves the same tensors in every layer, and a round
+    stores several of them in one rewrite (:func:`magis.rules.swap.swapped_together`); every
+    point of the front is a valid plan whose figures are its own, and a batch's plan runs
+    like eager with the peak the simulator gives it."""
+    step = mlp_step(blocks=12)
+    front = swap_front(step.graph, H200)
+    assert_monotone(front.points)
+    taken = [len(b.swapped) - len(a.swapped) for a, b in itertools.pairwise(front.visited)]
+    assert max(taken) > 1, taken
+    batch = next(b for a, b in itertools.pairwise(front.visited) if len(b.swapped) - len(a.swapped) > 1)
+    assert sum(isinstance(n.target, Store) for n in batch.graph.nodes) == len(batch.swapped)
+    assert_runs_like_eager(step, batch.graph, batch.order)
+
+
 def run_json(capsys, *argv: str) -> dict:
     assert main(list(argv)) == 0
     return json.loads(capsys.readouterr().out)

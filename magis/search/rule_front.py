@@ -26,11 +26,12 @@ backward), then (as :func:`swap_front` does) repeats one round:
    of one activation recompute its chain's head twice) are merged into it
    (:func:`magis.rules.remat.shared_copies`): all at once where that saves time and
    raises no step above the peak, else each half of them in turn, and so on;
-6. (recomputation) the same kind of tensor is saved in every layer of a model, so the
-   round's best candidate is also tried together with the next best-ranked proposals
-   independent of it (:func:`magis.rules.remat.rematerialized_together`: one rewrite,
-   one simulation). The batch is taken where it lowers the peak further at no less than
-   half the bytes per second of the best alone; its size (one in the first round, so
+6. the same kind of tensor is saved in every layer of a model (every cell and time step
+   of a recurrent one), so the round's best candidate is also tried together with the
+   next best-ranked proposals independent of it
+   (:func:`magis.rules.remat.rematerialized_together`, :func:`magis.rules.swap.swapped_together`:
+   one rewrite, one simulation). The batch is taken where it lowers the peak further at
+   no less than half the bytes per second of the best alone; its size (one in the first round, so
    that the front starts with the cheapest single recomputation) doubles after a batch
    is taken (up to :data:`MAX_BATCH`) and halves after one is not, so that a round on
    a model of many layers takes many of them at once. A batch jumps over the points its
@@ -72,7 +73,7 @@ from magis.rules.remat import (
     shared_copies,
 )
 from magis.rules.rewrite import Rewrite, Timeline
-from magis.rules.swap import swap_proposals, swapped
+from magis.rules.swap import independent_swaps, swap_proposals, swapped, swapped_together
 from magis.schedule import incremental_schedule, schedule
 from magis.search.collector import collector_paused
 
@@ -229,12 +230,15 @@ def swap_front(
 
     def propose(current: Graph, timeline: Timeline) -> list[_Candidate]:
         return [
-            _Candidate(p.target, p.saving, lambda p=p: swapped(current, timeline, p, model))
+            _Candidate(p.target, p.saving, lambda p=p: swapped(current, timeline, p, model), p)
             for p in swap_proposals(current, timeline)
         ]
 
+    def together(current: Graph, timeline: Timeline, proposals: list[Any]) -> Rewrite | None:
+        return swapped_together(current, timeline, proposals, model)
+
     limits = _Limits(time_budget, max_rounds, latency_limit_s, peak_limit_bytes)
-    return _greedy(graph, model, order, propose, "swapped", limits, progress)
+    return _greedy(graph, model, order, propose, "swapped", limits, progress, _Batching(independent_swaps, together))
 
 
 def require_device_memory(model: CostModel) -> None:
