@@ -23,6 +23,7 @@ from magis.backend.runtime import Runtime, StepRunner
 from magis.backend.verify import Verification, forked_rng, run_both, verify_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
+from magis.cost.workspace import measure_workspaces, with_workspaces
 from magis.frontend.capture import capture, capture_forward, capture_timed
 from magis.frontend.conditions import Conditions, warn_if_evaluating
 from magis.frontend.grad_seed import with_grad_seed
@@ -281,6 +282,7 @@ def optimize(
             captured = capture(model, batch, loss_fn, training_step=training_step)
             device_of_seed = torch.device("cpu") if fake else next(model.parameters()).device
             graph, grad_seed = with_grad_seed(captured, device_of_seed)
+        graph = _with_device_workspaces(graph, model, fake)
         verification = _verification(graph, model, batch, step, seed, verify)
         if optimizer is not None and unplanned_reason(optimizer) is None:
             graph = with_optimizer(graph, optimizer, model, max_grad_norm, on_cuda=device != "cpu")
@@ -323,6 +325,15 @@ def optimize(
     if not objective.met_by(best):  # the near miss goes with the error
         raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)
     return plan
+
+
+def _with_device_workspaces(graph: Graph, model: torch.nn.Module, fake: bool) -> Graph:
+    """``graph`` with its operators' workspaces where the model runs on CUDA: cuDNN's count in
+    the step's peak there (:mod:`magis.cost.workspace`)."""
+    device = None if fake else next(model.parameters()).device
+    if device is None or device.type != "cuda":
+        return graph
+    return with_workspaces(graph, measure_workspaces(graph, device))
 
 
 def _verification(

@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from magis.backend.interpreter import transfer_streams
+from magis.backend.kernels import runtime_kernel
 from magis.backend.program import Instruction, Program
 from magis.backend.transfer import Load, Store
 from magis.ir.graph import Ref, op_name
@@ -141,7 +142,9 @@ class _Writer:
         return self._global_ids[id(value)]
 
     def function(self, fn: Any) -> str:
-        """How the source calls ``fn``: ``aten.op.overload`` for an aten op, else a global."""
+        """How the source calls ``fn``: ``aten.op.overload`` for an aten op, else a global (eager's
+        kernel where the op has a faster one on the device: :func:`~magis.backend.kernels.runtime_kernel`)."""
+        fn = runtime_kernel(fn)
         if isinstance(fn, torch._ops.OpOverload) and str(fn).startswith("aten."):
             return str(fn)
         return self.constant(fn, "_f")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from magis.backend.kernels import runtime_kernel
 from magis.backend.program import Program
 from magis.backend.transfer import Load, Store, TransferStreams
 from magis.ir.graph import Ref, map_refs
@@ -48,12 +49,12 @@ def execute(
             args = map_refs(ins.args, value)
             kwargs = map_refs(ins.kwargs, value) if ins.kwargs else {}
             if streams is None:
-                env[ins.node] = ins.fn(*args, **kwargs)
+                env[ins.node] = runtime_kernel(ins.fn)(*args, **kwargs)
             elif isinstance(ins.fn, (Store, Load)):
                 env[ins.node] = streams.run(ins.node, ins.fn, *args)
             else:
                 streams.wait_for(ins.waits)
-                env[ins.node] = ins.fn(*args, **kwargs)
+                env[ins.node] = runtime_kernel(ins.fn)(*args, **kwargs)
             del args, kwargs
             if emit is not None:
                 emit(ins.node, env[ins.node])

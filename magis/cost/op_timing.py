@@ -24,10 +24,11 @@ import torch
 
 from magis.backend.codegen import generate
 from magis.backend.interpreter import execute
+from magis.backend.kernels import runtime_kernel
 from magis.backend.program import lower
 from magis.backend.runtime import bind_arguments
 from magis.cost.op_keys import NodeStrides, Strides, contiguous_strides
-from magis.ir.graph import Graph, Ref, TensorMeta, map_refs
+from magis.ir.graph import Graph, Node, Ref, TensorMeta, map_refs
 
 #: on CUDA, each timing sample is a burst of calls lasting about this long.
 CUDA_SAMPLE_S = 1e-3
@@ -108,7 +109,7 @@ def time_call(fn: Callable[[], Any], device: torch.device, repeats: int) -> floa
     return time_calls([fn], device, repeats)[0]
 
 
-def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], device: torch.device) -> Callable:
+def prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], device: torch.device) -> Callable:
     """Node ``name`` on random inputs of its recorded shapes on ``device``, called once (warm-up).
 
     The call resolves its :class:`Ref` arguments as the runtime's interpreter does
@@ -117,24 +118,41 @@ def _prepared_call(graph: Graph, name: str, strides: Mapping[str, NodeStrides], 
     """
     node = graph[name]
     inputs: dict[str, Any] = {}
+    on_host = host_arguments(node)
     for ref in node.inputs:
         source = graph[ref]
+        place = torch.device("cpu") if ref in on_host else device
         elements = [
-            None if meta is None else random_tensor(meta, stride, device)
+            None if meta is None else random_tensor(meta, stride, place)
             for meta, stride in zip(source.outputs, strides[ref])
         ]
         inputs[ref] = tuple(elements) if source.tuple_output else elements[0]
     args, kwargs = bind_arguments(node, Ref, device)  # constants bound now, references at each call
+    kernel = runtime_kernel(node.target)  # what the runtime runs (eager's kernel where faster)
 
     def value(ref: Ref) -> Any:
         return inputs[ref.name]
 
     def call() -> Any:
-        return node.target(*map_refs(args, value), **map_refs(kwargs, value))
+        return kernel(*map_refs(args, value), **map_refs(kwargs, value))
 
     call()
     synchronizer(device)()
     return call
+
+
+def host_arguments(node: Node) -> set[str]:
+    """The inputs of ``node`` that live on the host whatever the device: the random seed and
+    offset an attention kernel's backward reads (eager makes them CPU scalars outside a CUDA
+    graph capture; on the device, the kernel reads a device pointer as a host one and crashes)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return set()
+    return {
+        value.name
+        for argument, value in zip(schema.arguments, node.args)
+        if argument.name.startswith("philox_") and isinstance(value, Ref)
+    }
 
 
 def _windows(graph: Graph, names: Sequence[str]) -> Iterator[list[str]]:
@@ -168,7 +186,7 @@ def measure_nodes(
             calls: dict[str, Callable] = {}
             for name in window:
                 try:
-                    calls[name] = _prepared_call(graph, name, strides, device)
+                    calls[name] = prepared_call(graph, name, strides, device)
                 except Exception as err:  # any op that cannot run here is priced analytically
                     log.warning("could not time %s (%s): using the analytic estimate", graph[name].op_name, err)
             times = dict(zip(calls, time_calls(list(calls.values()), device, repeats)))
