@@ -26,15 +26,15 @@ CUDNN_MIN_EPSILON = 1e-5
 CUDNN_MAX_BATCH = 880801
 
 
-def _cudnn_eligible(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> bool:
+def _cudnn_eligible(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> bool:
     """Whether eager's ``batch_norm`` would train ``x`` with cuDNN's kernels (and in the
-    ``SPATIAL`` mode, whose backward needs no reserve space: a contiguous NCHW input)."""
+    ``SPATIAL`` mode, whose backward needs no reserve space: a contiguous NCHW input);
+    the forward also needs a bias."""
     return (
         x.is_cuda
         and torch.backends.cudnn.enabled
         and torch.backends.cudnn.is_available()
         and weight is not None
-        and bias is not None
         and weight.dtype == torch.float32
         and x.dtype in (torch.float32, torch.float16)
         and x.dim() >= 3
@@ -58,7 +58,7 @@ def batch_norm_forward(
     """``_native_batch_norm_legit_functional``: (output, mean, inverse std, updated running mean
     and variance), by cuDNN where eager would use it. The running statistics are updated in
     copies, as the functional op does (the step writes them back where the graph says)."""
-    if not (training and _cudnn_eligible(x, weight, bias, eps)):
+    if not (training and bias is not None and _cudnn_eligible(x, weight, eps)):
         return aten._native_batch_norm_legit_functional.default(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
@@ -86,7 +86,7 @@ def batch_norm_backward(
     """``native_batch_norm_backward``, by cuDNN where eager would use it. Both kernels save the
     batch's mean and inverse standard deviation, so either backward reads either's."""
     cudnn = train and all(output_mask) and save_mean is not None and save_invstd is not None
-    if not (cudnn and _cudnn_eligible(x, weight, weight, eps)):
+    if not (cudnn and _cudnn_eligible(x, weight, eps)):
         return aten.native_batch_norm_backward.default(
             grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
         )
