@@ -239,7 +239,11 @@ def optimize(
     (:attr:`~magis.cost.latency.AnalyticCostModel.fused`), the captured step's latency included.
     On CUDA the step is captured once as a CUDA graph and replayed at each call
     (:mod:`magis.backend.cuda_graph`; ``plan.report().runtime["cuda_graph"]`` says whether, and
-    what its memory pool holds); ``cuda_graphs=False`` runs it launch by launch.
+    what its memory pool holds); ``cuda_graphs=False`` runs it launch by launch. A model on CUDA
+    has each distinct convolution run once before the search, its cuDNN workspace measured and
+    counted in the simulated peak (:mod:`magis.cost.workspace`; this resets the device's peak
+    memory statistics), and the plan runs batch norm with eager's cuDNN kernels
+    (:mod:`magis.backend.kernels`).
 
     ``inference=True`` plans the forward alone (:func:`~magis.frontend.capture.capture_forward`:
     no gradients, the submodules in their modes, so call ``model.eval()`` first for evaluation):
