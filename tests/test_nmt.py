@@ -20,13 +20,14 @@ aten = torch.ops.aten
 def expected_parameters(sizes: dict) -> int:
     """What the configuration implies, counted from the architecture (Echo §II-B, Sockeye's encoder):
     two embeddings; a bidirectional first encoder layer of H/2 units each way and ``layers - 1``
-    unidirectional ones; a ``layers``-deep decoder; W_a (H x H), W_c (H x 2H); the output layer."""
+    unidirectional ones; a ``layers``-deep decoder; W_q, W_k (H x H) and v (H) of the MLP score, W_c
+    (H x 2H); the output layer."""
     v_src, v_tgt, e, h, n = (sizes[k] for k in ("source_vocab", "target_vocab", "embed", "hidden", "layers"))
     # An LSTM layer of u units over inputs of width i: W_ih (4u x i), W_hh (4u x u), b_ih and b_hh (4u each).
     lstm = lambda i, u: 4 * u * i + 4 * u * u + 2 * 4 * u  # noqa: E731
     encoder = 2 * lstm(e, h // 2) + (n - 1) * lstm(h, h)
     decoder = lstm(e, h) + (n - 1) * lstm(h, h)
-    return (v_src + v_tgt) * e + encoder + decoder + h * h + 2 * h * h + h * v_tgt + v_tgt
+    return (v_src + v_tgt) * e + encoder + decoder + 2 * h * h + h + 2 * h * h + h * v_tgt + v_tgt
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "paper"])
@@ -38,9 +39,9 @@ def test_presets_build_with_the_configurations_sizes(preset: str):
     assert int(source.max()) < sizes["source_vocab"] if preset != "paper" else source.dtype == torch.int64
     assert sum(p.numel() for p in built.model.parameters()) == expected_parameters(sizes)
     assert built.model.training
-    if preset == "paper":  # Echo §VI: batch 128; 2 x 512 LSTM, IWSLT'15 En-Vi vocabularies, 25.4M parameters
+    if preset == "paper":  # Echo §VI: batch 128; 2 x 512 LSTM, IWSLT'15 En-Vi vocabularies, 25.6M parameters
         assert (sizes["batch"], sizes["hidden"], sizes["layers"]) == (128, 512, 2)
-        assert expected_parameters(sizes) == 25_370_653
+        assert expected_parameters(sizes) == 25_633_309
 
 
 def test_every_sequence_length_follows_seq():
@@ -59,9 +60,9 @@ def test_tiny_loss_is_finite_and_every_parameter_gets_a_gradient():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 
 
-def test_batched_attention_equals_luong_step_by_step():
-    """Eval mode (no dropout): the loss equals Luong's global attention computed one target step
-    and one source position at a time (score h_t^T W_a h_s, softmax, context, tanh(W_c[c_t; h_t]))."""
+def test_batched_attention_equals_the_mlp_score_step_by_step():
+    """Eval mode (no dropout): the loss equals the attention computed one target step and one
+    source position at a time (score v^T tanh(W_q h_t + W_k h_s), softmax, context, tanh(W_c[c_t; h_t]))."""
     torch.manual_seed(0)
     model = NMT(11, 13, embed=6, hidden=8, layers=3).double().eval()
     source, target = torch.randint(0, 11, (3, 5)), torch.randint(0, 13, (3, 5))
@@ -71,7 +72,12 @@ def test_batched_attention_equals_luong_step_by_step():
     for b in range(3):
         for t in range(queries.shape[0]):
             h_t = queries[t, b]
-            scores = torch.stack([h_t @ model.score.weight @ memory[s, b] for s in range(memory.shape[0])])
+            scores = torch.stack(
+                [
+                    model.energy.weight[0] @ torch.tanh(model.query.weight @ h_t + model.keys.weight @ memory[s, b])
+                    for s in range(memory.shape[0])
+                ]
+            )
             alpha = scores.softmax(0)
             context = sum(alpha[s] * memory[s, b] for s in range(memory.shape[0]))
             a_t = torch.tanh(model.combine.weight @ torch.cat([context, h_t]))
