@@ -104,7 +104,7 @@ def profile(
     device = device or ("h200" if fake else _local_device(model))
     latency_model = cost_model(device)  # an unknown device fails here, before the capture
     captured = capture_timed(model, batch, loss_fn, training_step=training_step)
-    graph = captured.graph
+    graph = _with_device_workspaces(captured.graph, model, fake)  # as optimize's captured step
     order = [n.name for n in graph.nodes]
     start = time.perf_counter()
     memory = simulate_memory(graph, order)

@@ -41,10 +41,9 @@ def measure_workspaces(graph: Graph, device: torch.device) -> dict[str, int]:
     Each distinct application (:func:`~magis.cost.op_keys.op_key`) runs once
     after a warm-up call (which lets cuDNN pick its algorithm) with the allocator's peak
     reset: its workspace is that peak less what is allocated once it returned (its
-    inputs and outputs). Nodes below :data:`MIN_WORKSPACE_BYTES` are left out; so is an
-    operator that cannot run here (its ``None`` time is the cost model's business).
-    The device's peak statistics are reset; the random number generators are left as
-    they were.
+    inputs and outputs). Nodes below :data:`MIN_WORKSPACE_BYTES` are left out, and so is a
+    convolution that cannot run here. The device's peak statistics are reset; the random
+    number generators are left as they were.
     """
     if device.type != "cuda":
         raise ValueError(f"workspaces are measured on a CUDA device, not {device}")
