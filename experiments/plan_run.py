@@ -41,7 +41,7 @@ from driver import write_json
 import magis
 from magis.backend.eager import compare_gradients, eager_step
 from magis.backend.meter import peak_meter
-from magis.models import WORKLOADS
+from magis.models import ZOO
 from magis.plan import InfeasibleLimit
 
 
@@ -71,7 +71,7 @@ def _plan_step(plan: magis.Plan, model: torch.nn.Module, batch: tuple) -> dict[s
 def _with_eager(name: str, preset: str, device: torch.device, args: Any) -> tuple:
     """The workload built on ``device``, and eager's step of it: its gradients (the reference)
     and its measured peak and step time."""
-    built = WORKLOADS[name].build(preset)
+    built = ZOO[name].build(preset)
     model = built.model.to(device)
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
     with peak_meter(model, batch) as meter:
@@ -208,7 +208,7 @@ def _replayed(plan: magis.Plan, model: torch.nn.Module, batch: tuple, reference:
 def measure_compiled(name: str, preset: str, device: torch.device, args: Any) -> dict[str, Any]:
     """``torch.compile``'s step of the workload (default activation budget: ``compile@1``) beside
     eager's, on a fresh copy of the model: step time (median, after the compiling call) and peak."""
-    built = WORKLOADS[name].build(preset)
+    built = ZOO[name].build(preset)
     model = built.model.to(device)
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
     eager_s = _timed(lambda: eager_step(model, batch, built.loss_fn), args.runs, device)
@@ -239,7 +239,7 @@ def search_only(name: str, device: torch.device, limits: list[float], args: Any)
     """``--search-only``: each limit's plans searched and saved in ``--plans`` (no measurement),
     each compiled plan and ``compile@1`` called once so that Inductor's cache holds their
     kernels: run one process per workload at once, then measure them one by one from the files."""
-    built = WORKLOADS[name].build(args.preset)
+    built = ZOO[name].build(args.preset)
     model = built.model.to(device)
     batch = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
     for limit in limits:
@@ -322,6 +322,12 @@ def main() -> None:
     parser.add_argument(
         "--search-only", action="store_true", help="only search and save the plans in --plans (and warm Inductor)"
     )
+    parser.add_argument(
+        "--no-cudnn",
+        action="store_true",
+        help="torch.backends.cudnn.enabled = False: eager's and the plans' LSTMs both run the native "
+        "kernels (cuDNN draws an LSTM's inter-layer dropout itself, which magis refuses to capture)",
+    )
     parser.add_argument("--out", default="results/plan_run.json")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the first limit's ratios")
     parser.add_argument("--plot-only", default=None, metavar="JSON", help="only draw a run's JSON (with --plot)")
@@ -330,6 +336,8 @@ def main() -> None:
         plot(json.loads(Path(args.plot_only).read_text()), args.plot or "plan_run.png")
         return
     device = torch.device(args.device)
+    if args.no_cudnn:
+        torch.backends.cudnn.enabled = False
     limits = [float(x) for x in args.limits.split(",")]
     if args.search_only:
         if not args.plans:

@@ -154,6 +154,28 @@ def test_ten_adamw_steps_through_the_plan_equal_eagers(name: str):
     assert meter.peak_bytes <= 1.02 * plan.peak_bytes
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_lstm_on_cuda_trains_as_eager_or_is_refused():
+    """On CUDA a module's traced weights have no data pointers for cuDNN's flat buffer (the
+    capture failed there); it unrolls as on CPU. cuDNN draws inter-layer dropout itself: refused
+    with the way out, which then trains as eager does, masks included."""
+    torch.manual_seed(0)
+    model, ids = LanguageModel().double().cuda(), torch.randint(0, 13, (4, 2), device="cuda")
+    with pytest.raises(magis.CaptureError, match=r"nn.LSTM 'lstm' .*cuDNN.*cudnn.enabled = False"):
+        magis.capture(model, (ids,))
+    twin = copy.deepcopy(model)
+    with torch.backends.cudnn.flags(enabled=False):
+        plan = magis.optimize(
+            model, (ids,), latency_limit=1.1, time_budget=5, max_states=50, device="h200", progress=False
+        )
+        losses = ten_steps_beside_eager(
+            model, twin, lambda: plan(ids), lambda: twin(ids), lambda params: torch.optim.AdamW(params, lr=1e-2)
+        )
+    assert losses[1] == pytest.approx(losses[0], rel=1e-9)
+    for (key, a), (_, b) in zip(model.state_dict().items(), twin.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=key)
+
+
 class Packing(nn.Module):
     """Packs its padded batch itself, as models with per-sequence lengths do."""
 

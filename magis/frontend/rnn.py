@@ -156,11 +156,19 @@ class ExactRNNs(torch.overrides.TorchFunctionMode):
 
     def __enter__(self) -> ExactRNNs:
         self.hooks = [module.register_forward_pre_hook(self._refuse_packed) for _, module in self.modules]
+        for _, module in self.modules:
+            # On CUDA a module whose weights were swapped for traced ones lays them out again
+            # in cuDNN's flat buffer by their data pointers, which traced tensors have none of
+            # (the capture failed there); the unrolled graph reads the weights themselves.
+            module.flatten_parameters = _keep_weights_as_they_are
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
         for hook in self.hooks:
             hook.remove()
+        for _, module in self.modules:
+            if vars(module).get("flatten_parameters") is _keep_weights_as_they_are:
+                del module.flatten_parameters
         super().__exit__(*exc_info)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -186,6 +194,10 @@ class ExactRNNs(torch.overrides.TorchFunctionMode):
         name = next((name for name, m in self.modules if m._flat_weights is params), None)
         where = "" if name is None else f" {name!r}" if name else " (the model)"
         return CaptureError(f"nn.{kind}{where} cannot be captured as eager PyTorch runs it: {reason}")
+
+
+def _keep_weights_as_they_are() -> None:
+    """``nn.RNNBase.flatten_parameters`` while a step is traced (:class:`ExactRNNs`)."""
 
 
 def refusal(kind: str, input: Tensor, live_dropout: bool) -> str | None:

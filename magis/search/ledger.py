@@ -140,6 +140,7 @@ class Ledger:
             key,
             self.cost_model,
             (*parent.steps, *mutation.steps),
+            (*parent.frozen, *mutation.frozen),
         )
         self.stats.states += 1
         rule = mutation.steps[-1].rule

@@ -44,6 +44,9 @@ class MState:
     latency_s: float
     key: str  # Weisfeiler-Lehman hash of ``graph``
     steps: tuple[Step, ...] = ()
+    #: regions fissioned into ``base`` itself (a recompute dive from a fissioned state,
+    #: :meth:`magis.search.first_level.FirstLevel._refine`), as :meth:`regions` lists them
+    frozen: tuple[dict[str, Any], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -51,8 +54,10 @@ class MState:
 
     def regions(self) -> list[dict[str, Any]]:
         """The enabled F-Tree nodes: the fissioned sub-graphs, with their dimension and ``n``
-        (``nested_in``: the F-Tree node of the region this one runs inside, if any)."""
-        return [
+        (``nested_in``: the F-Tree node of the region this one runs inside, if any), after
+        those fissioned into ``base`` itself (:attr:`frozen`, their F-Tree node that of the
+        tree they were fissioned from)."""
+        return list(self.frozen) + [
             {
                 "ftree_node": i,
                 "dimension": c.label,
@@ -76,6 +81,8 @@ class Mutation:
     graph: Graph
     carried: tuple[str, ...]
     steps: tuple[Step, ...]  # what made it from its parent (the recompute dive: several remats)
+    #: regions ``base`` holds that its parent's base does not (:attr:`MState.frozen`)
+    frozen: tuple[dict[str, Any], ...] = ()
     #: the carried order is an incremental schedule of ``graph`` itself (a rewrite under an
     #: F-Tree that fissions nothing): scheduling it again would change nothing
     scheduled: bool = False
@@ -90,11 +97,12 @@ def simulate_state(
     key: str,
     cost_model: CostModel,
     steps: tuple[Step, ...] = (),
+    frozen: tuple[dict[str, Any], ...] = (),
 ) -> MState:
     """An :class:`MState` with its memory timeline and latency simulated."""
     memory = simulate_memory(graph, order)
     latency = estimate_latency(graph, order, cost_model).total_s
-    return MState(base, tuple(base_order), tree, graph, tuple(order), memory, latency, key, steps)
+    return MState(base, tuple(base_order), tree, graph, tuple(order), memory, latency, key, steps, frozen)
 
 
 def changed_nodes(old: Graph, new: Graph) -> set[str]:
