@@ -1,6 +1,6 @@
 """magis.optimize run for real: each workload's plan at several memory limits, measured.
 
-For each workload at a preset (real weights) on a device (``cpu`` or ``cuda``): the
+For each workload of the zoo (``magis models``) at a preset (real weights) on a device (``cpu`` or ``cuda``): the
 plan :func:`magis.optimize` returns per memory limit (a fraction of the captured
 step's simulated peak), run as a user runs it (``loss = plan(*batch)``), against the
 eager step of the same model and batch: measured peak (the meter of
@@ -15,7 +15,7 @@ workload is measured whole before the next, and JSON written after each measurem
 
     python experiments/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
                              [--limits 0.8,0.6] [--time-budget 60] [--compile-peer] [--compile-plans]
-                             [--out results/plan_run.json] [--plot results/plan_run.png]
+                             [--no-cudnn] [--out results/plan_run.json] [--plot results/plan_run.png]
     python experiments/plan_run.py --plot-only results/plan_run.json --plot results/plan_run.png
 
 ``--plot`` draws each workload's first limit: peak and step ratios to eager, simulated

@@ -20,8 +20,9 @@ rewrite at a time, but each of its expansions simulates every candidate of every
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from magis.analysis.ftree import next_divisor, update_ftree
 from magis.cost.host_link import host_bytes_per_second
@@ -35,7 +36,7 @@ from magis.rules.output_backward import backward_from_outputs
 from magis.rules.rewrite import Rewrite, Timeline
 from magis.rules.tied_gradient import tied_gradient_rewrites
 from magis.search.ledger import Ledger
-from magis.search.rule_front import FrontPoint, pareto, recompute_front, swap_front
+from magis.search.rule_front import FrontPoint, RuleFront, pareto, recompute_front, swap_front
 from magis.search.single_fission import fission_numbers, separable_step
 from magis.search.state import MState, Mutation, Step, changed_nodes, fission_changes
 
@@ -303,20 +304,27 @@ class FirstLevel:
         step, one output of each saves 13 MiB at +0.03%, 48 of them 36 MiB within 5%.
         Each point, spread along the front, becomes a state whose base holds the region
         (:attr:`~magis.search.state.MState.frozen`)."""
-        ledger, objective = self.ledger, self.ledger.objective
+        ledger = self.ledger
         deadline = min(time.perf_counter() + share * ledger.time_budget, ledger.deadline)
         if "remat" not in self.rules or deadline <= time.perf_counter():
             return
-        front = recompute_front(
-            fissioned.graph,
-            ledger.cost_model,
-            fissioned.order,
+        front = self._recompute_front(fissioned.graph, fissioned.order, deadline)
+        for point in self._spread([p for p in front.points if p.graph is not fissioned.graph]):
+            self._dive_state(fissioned, point)
+
+    def _recompute_front(self, graph: Graph, order: Sequence[str], deadline: float, **options: Any) -> RuleFront:
+        """The recompute greedy's front from ``graph`` in ``order`` until ``deadline``, within the
+        objective's limits (``options``: the greedy's own)."""
+        objective = self.ledger.objective
+        return recompute_front(
+            graph,
+            self.ledger.cost_model,
+            order,
             time_budget=deadline - time.perf_counter(),
             latency_limit_s=objective.latency_s,
             peak_limit_bytes=objective.memory_bytes,
+            **options,
         )
-        for point in self._spread([p for p in front.points if p.graph is not fissioned.graph]):
-            self._dive_state(fissioned, point)
 
     def _dive(self, separable: MState, share: float) -> list[FrontPoint]:
         """The greedy of the recompute rule walks from the separable step down its
@@ -338,13 +346,10 @@ class FirstLevel:
         )
         recomputed: list[FrontPoint] = []
         if "remat" in self.rules and deadline > time.perf_counter():
-            front = recompute_front(
+            front = self._recompute_front(
                 separable.base,
-                ledger.cost_model,
                 separable.base_order,
-                time_budget=deadline - time.perf_counter(),
-                latency_limit_s=objective.latency_s,
-                peak_limit_bytes=objective.memory_bytes,
+                deadline,
                 at_limits=memory_mode,  # a latency limit's points get fissioned
                 min_saving_rate=rate_floor,
             )
