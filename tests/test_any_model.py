@@ -102,7 +102,7 @@ def _llama_step(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("build", ["meta", "fake", "fake, real inputs"])
 def test_a_model_without_real_weights_is_planned(build: str):
     """The ecosystem's conventions for models one cannot hold: the meta device (accelerate's
-    ``init_empty_weights``) and ``FakeTensorMode()`` (strict, as the README shows); the
+    ``init_empty_weights``) and ``FakeTensorMode()`` (strict); the
     forward makes real tensors along the way (rotary positions, an empty KV cache)."""
     config = transformers.LlamaConfig(**LLAMA)
     context = torch.device("meta") if build == "meta" else FakeTensorMode()
