@@ -156,3 +156,41 @@ def test_cli_plans_a_users_forward_and_runs_it(tmp_path, capsys):
     assert main(["schedule", f"{module}:make", "--inference", "--json"]) == 0
     scheduled = json.loads(capsys.readouterr().out)
     assert scheduled["step"] == "inference" and scheduled["optimized_peak_bytes"] <= scheduled["captured_peak_bytes"]
+
+
+class Stem(nn.Module):
+    """An image network's stem at batch 1, as an edge device runs it: no batch to split, so a fission
+    can only split the first convolution's output channels, which the next convolution sums over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images).mean((2, 3)))
+
+
+def test_a_batch_of_one_is_split_along_the_channels_its_weights_bring():
+    """Algorithm 1 enters a dimension that no user input has (the stem's 16 channels) at the
+    operators that compute it, not at the weights that bring it: entered at its weights, each
+    weight dominated only its own reader and the channels were never a candidate."""
+    torch.manual_seed(0)
+    model = Stem().double().eval()
+    images = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    plan = magis.optimize(model, (images,), inference=True, memory_limit=0.8, device="a100", **SEARCH)
+    assert plan.peak_bytes <= plan.objective.memory_bytes < plan.baseline_peak_bytes
+    fissions = plan.report().transformations["fission"]
+    assert [f["dimension"] for f in fissions] == ["features.0.weight.dim0"]
+    with torch.no_grad():
+        reference = model(images)
+    torch.testing.assert_close(plan(images), reference, rtol=0, atol=REORDERED_SUM)
+    measured = measure_against_eager(plan.graph, plan.order, model, (images,), None)
+    assert measured["measured_peak_bytes"] == plan.peak_bytes

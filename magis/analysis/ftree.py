@@ -232,13 +232,19 @@ def component_entries(graph: Graph, members: frozenset[str]) -> tuple[str, ...]:
     dimension off the input (an LSTM projects every time step at once, merging time and
     batch as ``[T*B, E]`` with the batch inside, so the batch leaves the input's dimension
     there) it is where the dimension starts again, ahead of the rest of the step. A
-    dimension no user input has (the heads of one layer) is entered at every node of ``G'``
-    without a predecessor in it."""
+    dimension no user input has (the heads of one layer, a convolution's output channels) is
+    entered at every operator of ``G'`` that reads no other operator of it: the weights and
+    buffers that bring the dimension are read a slice per part, never computed, so they
+    dominate nothing (entered at them, each dominated its own reader alone, and a stem's
+    channels at batch 1 were never a candidate). Where ``G'`` holds no operator, at its
+    sources."""
     dag, ids = _member_dag(graph, members)
     sources = [name for name, i in ids.items() if dag.in_degree(i) == 0]
     user = [name for name in graph.signature.user_inputs if name in members]
     if not user:
-        return tuple(sources)
+        computed = {name for name in members if not graph[name].is_input}
+        first = [name for name in computed if not any(p in computed for p in graph[name].inputs)]
+        return tuple(sorted(first, key=graph.index.__getitem__)) if first else tuple(sources)
     return (max(sources, key=lambda n: (len(rx.descendants(dag, ids[n])), n == user[0])),)
 
 
