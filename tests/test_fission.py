@@ -264,6 +264,14 @@ def _rule_cases():
         (aten.convolution.default, (x4, r(8, 6, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
         (aten.convolution.default, (x4, r(8, 3, 3, 3), r(8), [1, 1], [0, 0], [1, 1], False, [0, 0], 2), {}),
         (aten.convolution.default, (x4, r(6, 4, 2, 2), r(4), [2, 2], [0, 0], [1, 1], True, [0, 0], 1), {}),
+        # depthwise: channels split like a batch, ``groups`` with them
+        (aten.convolution.default, (x4, r(6, 1, 3, 3), r(6), [1, 1], [2, 2], [2, 2], False, [0, 0], 6), {}),
+        (aten.convolution.default, (x4, r(6, 1, 3, 3), None, [2, 2], [1, 1], [1, 1], False, [0, 0], 6), {}),
+        (
+            aten.convolution_backward.default,
+            (r(4, 6, 6, 6), x4, r(6, 1, 3, 3), [6], [1, 1], [1, 1], [1, 1], False, [0, 0], 6, [True, True, True]),
+            {},
+        ),
         (
             aten.convolution_backward.default,
             (r(4, 8, 6, 6), x4, r(8, 6, 3, 3), [8], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]),

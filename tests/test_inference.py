@@ -16,6 +16,7 @@ from magis.cli import main
 from magis.frontend.capture import capture_forward
 from magis.frontend.step import CaptureError
 from magis.ir.graph import Role
+from magis.rules.fission import FissionRegion
 
 #: bounded by states, not time (about a second here): the same search on any machine, however loaded
 SEARCH = {"time_budget": 600.0, "max_states": 40, "progress": False}
@@ -193,4 +194,50 @@ def test_a_batch_of_one_is_split_along_the_channels_its_weights_bring():
         reference = model(images)
     torch.testing.assert_close(plan(images), reference, rtol=0, atol=REORDERED_SUM)
     measured = measure_against_eager(plan.graph, plan.order, model, (images,), None)
+    assert measured["measured_peak_bytes"] == plan.peak_bytes
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block at batch 1: a 1x1 convolution widens 8 channels to 48, a depthwise 3x3
+    filters each of them, a 1x1 convolution narrows them back. The 48 wide channels hold the peak."""
+
+    def __init__(self, channels: int = 8, wide: int = 48) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(channels, wide, 1, bias=False),
+            nn.BatchNorm2d(wide),
+            nn.ReLU6(),
+            nn.Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False),
+            nn.BatchNorm2d(wide),
+            nn.ReLU6(),
+            nn.Conv2d(wide, channels, 1, bias=False),
+            nn.BatchNorm2d(channels),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+def test_a_depthwise_convolution_splits_with_the_channels_it_filters():
+    """The wide channels split through the depthwise convolution (one filter per channel,
+    ``groups`` divided with them), so one part of the block at a time holds the wide tensors:
+    without the depthwise convolution's rule the split stopped before it, and the block's
+    peak, the depthwise convolution's input beside its output, stayed whole."""
+    torch.manual_seed(0)
+    model = InvertedResidual().double().eval()
+    x = torch.randn(1, 8, 32, 32, dtype=torch.float64)
+    plan = magis.optimize(model, (x,), inference=True, memory_limit=0.6, device="a100", **SEARCH)
+    assert plan.peak_bytes <= plan.objective.memory_bytes
+    regions = [n.target for n in plan.graph.nodes if isinstance(n.target, FissionRegion)]
+    split = [
+        (region.parts, node.args[-1])  # the depthwise convolution's groups, one part's
+        for region in regions
+        for node in region.graph.nodes
+        if node.target is torch.ops.aten.convolution.default and node.args[-1] > 1
+    ]
+    assert split and all(parts * groups == 48 for parts, groups in split)
+    with torch.no_grad():
+        reference = model(x)
+    torch.testing.assert_close(plan(x), reference, rtol=0, atol=REORDERED_SUM)
+    measured = measure_against_eager(plan.graph, plan.order, model, (x,), None)
     assert measured["measured_peak_bytes"] == plan.peak_bytes

@@ -62,10 +62,20 @@ def _baddbmm(call: OpCall) -> OpDims:
     )
 
 
+def _depthwise(call: OpCall, channels: int) -> bool:
+    """One filter per channel (``groups`` = input = output channels, not transposed): each output
+    channel reads only its own input channel, so channels split like a batch, ``groups`` with them."""
+    return not call.args["transposed"] and call.args["groups"] == channels == call.shape("input")[1] > 1
+
+
 def _convolution(call: OpCall) -> OpDims:
     """``convolution``: batch (axis 1) and output channels (axis 2) link; input channels
-    are a summable reduce axis (-1) when there is no bias; sliding windows never link."""
+    are a summable reduce axis (-1) when there is no bias; sliding windows never link. A
+    depthwise convolution links its channels through input, weight, bias and output."""
     spatial = (None,) * (call.ndim("input") - 2)
+    if _depthwise(call, call.out[1]):
+        inputs = {"input": (1, 2, *spatial), "weight": (2, None, *spatial), "bias": (2,)}
+        return call.dims(inputs, [(1, 2, *spatial)], sizes=[(("groups", None), 2)])
     plain = call.args["groups"] == 1
     cin = -1 if plain and call.args["bias"] is None else None
     cout = 2 if plain else None
@@ -78,8 +88,14 @@ def _convolution(call: OpCall) -> OpDims:
 def _convolution_backward(call: OpCall) -> OpDims:
     """``(grad_input, grad_weight, grad_bias)``: axes batch 1, input channels 2, output
     channels ``3 + spatial``. ``grad_input`` sums over output channels, the weight and
-    bias gradients over the batch."""
+    bias gradients over the batch. A depthwise convolution's channels are one axis (2)."""
     spatial = (None,) * (call.ndim("input") - 2)
+    if _depthwise(call, call.shape("grad_output")[1]):
+        weight = (2, None, *spatial)
+        inputs = {"grad_output": (1, 2, *spatial), "input": (1, 2, *spatial), "weight": weight}
+        sizes = [(("groups", None), 2)] + ([(("bias_sizes", 0), 2)] if call.args["bias_sizes"] else [])
+        reductions = [frozenset(), frozenset({1}), frozenset({1})]
+        return call.dims(inputs, [(1, 2, *spatial), weight, (2,)], reductions, sizes)
     plain = call.args["groups"] == 1
     batch, cin, cout = 1, (2 if plain else None), (3 + len(spatial) if plain else None)
     weight = ((cin, cout) if call.args["transposed"] else (cout, cin)) + spatial
