@@ -163,13 +163,13 @@ class Stem(nn.Module):
     """An image network's stem at batch 1, as an edge device runs it: no batch to split, so a fission
     can only split the first convolution's output channels, which the next convolution sums over."""
 
-    def __init__(self) -> None:
+    def __init__(self, bias: bool) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False),
+            nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=bias),
             nn.BatchNorm2d(16),
             nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=bias),
             nn.BatchNorm2d(32),
             nn.ReLU(),
         )
@@ -179,17 +179,21 @@ class Stem(nn.Module):
         return self.head(self.features(images).mean((2, 3)))
 
 
-def test_a_batch_of_one_is_split_along_the_channels_its_weights_bring():
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_batch_of_one_is_split_along_the_channels_its_weights_bring(bias):
     """Algorithm 1 enters a dimension that no user input has (the stem's 16 channels) at the
     operators that compute it, not at the weights that bring it: entered at its weights, each
-    weight dominated only its own reader and the channels were never a candidate."""
+    weight dominated only its own reader and the channels were never a candidate. Where the
+    convolutions keep PyTorch's default bias, the second one's bias is added after it
+    (``bias-out``), so that it sums over the channels a part computes."""
     torch.manual_seed(0)
-    model = Stem().double().eval()
+    model = Stem(bias).double().eval()
     images = torch.randn(1, 3, 64, 64, dtype=torch.float64)
     plan = magis.optimize(model, (images,), inference=True, memory_limit=0.8, device="a100", **SEARCH)
     assert plan.peak_bytes <= plan.objective.memory_bytes < plan.baseline_peak_bytes
     fissions = plan.report().transformations["fission"]
     assert [f["dimension"] for f in fissions] == ["features.0.weight.dim0"]
+    assert ("bias-out" in [step.rule for step in plan.search.best.steps]) == bias
     with torch.no_grad():
         reference = model(images)
     torch.testing.assert_close(plan(images), reference, rtol=0, atol=REORDERED_SUM)

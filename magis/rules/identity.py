@@ -1,4 +1,4 @@
-"""Identity graph rewrites around concatenation (Serenity, MLSys'20, §3.3).
+"""Identity graph rewrites around concatenation (Serenity, MLSys'20, §3.3), and a convolution's bias.
 
 A concatenation keeps every branch it joins alive until the concatenated tensor
 exists, and that tensor alive until its consumer ran. When the consumer is a
@@ -11,6 +11,13 @@ convolution, the concatenation can go:
 - kernel-wise partitioning for a depthwise convolution (``groups`` = input
   channels), ``dwconv(cat(x_1..x_k), W) = cat(dwconv(x_i, W[C_i]))`` (Eq. 7-8):
   each branch gets its own depthwise convolution, the outputs are concatenated.
+
+A third rewrite prepares a fission rather than removing a tensor: a convolution's bias
+taken out of it, ``conv(x, W, b) = conv(x, W) + b``, the sum added in place. A dense
+convolution without a bias sums over its input channels, so the F-Tree can split the
+producers of ``x`` along those channels and add up the parts (MAGIS §4.1's reduce axis);
+with the bias inside, each part would add it again, and that dimension stopped there (the
+stem of a user's network at batch 1, whose convolutions keep PyTorch's default bias).
 
 Each rule is a pair ``find_*(graph) -> list[Match]`` and ``apply_*(graph, match) ->
 Graph``; the rewritten graph computes the same values (up to floating-point
@@ -27,11 +34,13 @@ and on inference-style graphs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph, Node, Ref
 from magis.rules.builder import NodeBuilder
 from magis.rules.rewrite import Rewrite
@@ -107,6 +116,46 @@ def concat_depthwise_rewrites(graph: Graph) -> list[Rewrite]:
     return [
         Rewrite(apply_concat_depthwise(graph, m), f"partition {m.conv} kernel-wise over the parts of {m.concat}")
         for m in find_concat_depthwise(graph)
+    ]
+
+
+def find_biased_convs(graph: Graph, order: Sequence[str] | None = None) -> list[str]:
+    """Dense convolutions with a bias whose input is live at a peak of ``order``, computed by
+    another operator and not saved for a weight gradient (which keeps it whole, split or not):
+    the inputs a fission along their channels could split."""
+    hot = simulate_memory(graph, order if order is not None else [n.name for n in graph.nodes]).hotspots
+    found = []
+    for node in graph.nodes:
+        if node.target is not aten.convolution.default:
+            continue
+        args = _conv_args(node)
+        x = args["input"]
+        if args["bias"] is None or args["transposed"] or args["groups"] != 1 or graph[x.name].is_input:
+            continue
+        if any(graph[r].target is aten.convolution_backward.default for r in graph.consumers[x.name]):
+            continue
+        if hot.intersection(graph.storages[x.name]):
+            found.append(node.name)
+    return found
+
+
+def apply_bias_out(graph: Graph, conv: str) -> Graph:
+    """``conv(x, W, b)`` as ``conv(x, W).add_(b)`` (the bias viewed along the channels); the
+    in-place sum takes the convolution's name, its result the convolution's storage."""
+    args = _conv_args(graph[conv])
+    new = NodeBuilder(graph, conv)
+    bare = new.add("nobias", aten.convolution.default, _positional(args, args["input"], args["weight"], None))
+    spatial = len(graph[conv].meta.shape) - 2
+    bias = new.add("bias", aten.view.default, (args["bias"], [-1] + [1] * spatial))
+    summed = new.add("plus_bias", aten.add_.Tensor, (bare, bias))
+    return graph.replace(remove=[conv], add=new.nodes, rename={conv: summed.name})
+
+
+def bias_out_rewrites(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
+    """Every convolution's bias taken out where its input is at a peak (an M-Rule)."""
+    return [
+        Rewrite(apply_bias_out(graph, conv), f"add {conv}'s bias after it: its input channels become a sum")
+        for conv in find_biased_convs(graph, order)
     ]
 
 
