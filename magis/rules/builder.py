@@ -35,9 +35,13 @@ class NodeBuilder:
         kwargs: dict[str, Any] | None = None,
         role: Role | None = None,
         random: bool = False,
+        like: Node | None = None,
     ) -> Ref:
         """Append ``target(*args, **kwargs)``. An op returning a tuple becomes a tuple node
-        (read it with :meth:`element`); an output that is a view of an input shares its storage."""
+        (read it with :meth:`element`); an output that is a view of an input shares its storage.
+        ``like``, a node of the same operator, lends its metadata to every output after the
+        first: outputs whose size no input changes, where the meta kernel and the device's
+        disagree (an eval-mode batch norm's statistics: ``[C]`` on meta, empty on a CPU)."""
         kwargs = kwargs or {}
         refs = list(iter_refs((args, kwargs)))
         inputs = {ref.name: _meta_tensor(self._meta(ref)) for ref in refs}
@@ -46,12 +50,15 @@ class NodeBuilder:
         known = all(self._meta(ref).strides is not None for ref in refs)
         order = list(dict.fromkeys(ref.name for ref in refs))  # positions as Node.inputs counts them
         aliases = tuple(_alias(v, inputs, order) for v in values)
+        outputs = tuple(_described(v, known) for v in values)
+        if like is not None:
+            outputs = outputs[:1] + like.outputs[1:]
         node = Node(
             self._fresh(kind),
             target,
             args,
             tuple(kwargs.items()),
-            outputs=tuple(_described(v, known) for v in values),
+            outputs=outputs,
             aliases=aliases,
             role=self.role if role is None else role,
             random=random,

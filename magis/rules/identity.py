@@ -123,8 +123,7 @@ def find_biased_convs(graph: Graph, order: Sequence[str] | None = None) -> list[
     """Dense convolutions with a bias whose input is live at a peak of ``order``, computed by
     another operator and not saved for a weight gradient (which keeps it whole, split or not):
     the inputs a fission along their channels could split."""
-    hot = simulate_memory(graph, order if order is not None else [n.name for n in graph.nodes]).hotspots
-    found = []
+    found: list[tuple[str, str]] = []  # (convolution, its input)
     for node in graph.nodes:
         if node.target is not aten.convolution.default:
             continue
@@ -132,11 +131,12 @@ def find_biased_convs(graph: Graph, order: Sequence[str] | None = None) -> list[
         x = args["input"]
         if args["bias"] is None or args["transposed"] or args["groups"] != 1 or graph[x.name].is_input:
             continue
-        if any(graph[r].target is aten.convolution_backward.default for r in graph.consumers[x.name]):
-            continue
-        if hot.intersection(graph.storages[x.name]):
-            found.append(node.name)
-    return found
+        if not any(graph[r].target is aten.convolution_backward.default for r in graph.consumers[x.name]):
+            found.append((node.name, x.name))
+    if not found:
+        return []
+    hot = simulate_memory(graph, order if order is not None else [n.name for n in graph.nodes]).hotspots
+    return [conv for conv, x in found if hot.intersection(graph.storages[x])]
 
 
 def apply_bias_out(graph: Graph, conv: str) -> Graph:

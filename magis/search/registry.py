@@ -38,6 +38,7 @@ from magis.rules import (
     remat,
     swap,
     tied_gradient,
+    tiling,
 )
 from magis.rules.rewrite import Rewrite
 
@@ -106,6 +107,7 @@ register_ftree_rule("mutate", ftree_mutation.mutate)
 register_graph_rule("concat-conv", identity.concat_conv_rewrites)
 register_graph_rule("concat-depthwise", identity.concat_depthwise_rewrites)
 register_graph_rule("bias-out", identity.bias_out_rewrites, scheduled=True)
+register_graph_rule("tile", tiling.tile_rewrites, scheduled=True)
 register_graph_rule("backward-from-output", output_backward.backward_from_outputs)
 register_graph_rule("in-place", in_place.in_place_rewrites)
 register_graph_rule("tied-gradient", tied_gradient.tied_gradient_rewrites)
