@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_inference import SEARCH, Stem
 from torch import nn
 
 import magis
@@ -85,19 +86,9 @@ def test_the_rows_a_band_needs_are_its_receptive_field():
 
 def test_the_search_tiles_a_stem_at_batch_one():
     torch.manual_seed(0)
-    stem = nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-    )
-    model = stem.double().eval()
+    model = Stem(bias=False).double().eval()
     images = torch.randn(1, 3, 64, 64, dtype=torch.float64)
-    search = {"time_budget": 600.0, "max_states": 40, "progress": False}
-    plan = magis.optimize(model, (images,), inference=True, memory_limit=0.7, device="a100", **search)
+    plan = magis.optimize(model, (images,), inference=True, memory_limit=0.7, device="a100", **SEARCH)
     assert plan.peak_bytes <= plan.objective.memory_bytes
     assert "tile" in [step.rule for step in plan.search.best.steps]
     with torch.no_grad():
