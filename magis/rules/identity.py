@@ -40,10 +40,9 @@ from typing import Any
 
 import torch
 
-from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph, Node, Ref
 from magis.rules.builder import NodeBuilder
-from magis.rules.rewrite import Rewrite
+from magis.rules.rewrite import Rewrite, hot_spots
 
 aten = torch.ops.aten
 
@@ -135,7 +134,7 @@ def find_biased_convs(graph: Graph, order: Sequence[str] | None = None) -> list[
             found.append((node.name, x.name))
     if not found:
         return []
-    hot = simulate_memory(graph, order if order is not None else [n.name for n in graph.nodes]).hotspots
+    hot = hot_spots(graph, order)
     return [conv for conv, x in found if hot.intersection(graph.storages[x])]
 
 

@@ -66,6 +66,12 @@ class SavedTensor:
     freed: dict[int, int]
 
 
+def hot_spots(graph: Graph, order: Sequence[str] | None = None) -> frozenset[StorageKey]:
+    """The storages live at a peak of ``order`` (the graph's node order where none is given):
+    where a rule that only prepares another's saving looks for work."""
+    return simulate_memory(graph, order if order is not None else [n.name for n in graph.nodes]).hotspots
+
+
 @dataclass(frozen=True)
 class Timeline:
     """A schedule's positions, storage lifetimes and peak steps, shared by the rules' estimates."""

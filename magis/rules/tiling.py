@@ -34,11 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph, Node, Ref
 from magis.rules.builder import NodeBuilder
 from magis.rules.identity import CONV_ARGS
-from magis.rules.rewrite import Rewrite
+from magis.rules.rewrite import Rewrite, hot_spots
 
 aten = torch.ops.aten
 
@@ -77,10 +76,9 @@ def _value_of(graph: Graph, name: str) -> str | None:
     if node.target is not EVAL_BATCH_NORM:
         return name
     readers = graph.consumers[name]
-    items = [r for r in readers if graph[r].target is operator.getitem]
-    if len(items) != len(readers) or any(graph[r].args[1] != 0 for r in items) or len(items) != 1:
-        return None
-    return items[0]
+    if len(readers) != 1 or graph[readers[0]].target is not operator.getitem or graph[readers[0]].args[1] != 0:
+        return None  # its statistics are read too, or the output twice
+    return readers[0]
 
 
 def find_chains(graph: Graph) -> list[Chain]:
@@ -176,7 +174,7 @@ def tile_rewrites(graph: Graph, order: Sequence[str] | None = None) -> list[Rewr
     chains = find_chains(graph)
     if not chains:  # a training step: the backward reads what a chain would hold
         return []
-    hot = simulate_memory(graph, order if order is not None else [n.name for n in graph.nodes]).hotspots
+    hot = hot_spots(graph, order)
     found = []
     for chain in chains:
         inside = [*chain.ops, *chain.items]
