@@ -133,14 +133,23 @@ def test_a_fissioned_region_becomes_a_loop_over_its_parts(tower):
 
 
 def test_a_swap_becomes_its_two_transfers(tower):
+    """A Store and a Load, generated and compiled; the Load's reader waits for its copy (a
+    compiled segment that reads it is preceded by the wait: on an H200 a compiled BERT plan
+    without it read its loaded tensors before their copies and took gradients off by 1e15)."""
     model, batch, graph = tower
     candidate = max(swap(graph, model=H100), key=lambda c: c.saving)
     store, load = (n.name for n in candidate.graph.nodes if n.op_name in ("store", "load"))
     steps = runs_like_eager(model, batch, candidate.graph, candidate.order)
     for source in (steps.generated.source, steps.compiled.source):
         assert re.search(rf"= _transfer\(streams, '{store}', ", source), source
-        assert re.search(rf"= _transfer\(streams, '{load}', ", source), source
+        loaded = re.search(rf"^\s+(\w+) = _transfer\(streams, '{load}', ", source, re.MULTILINE)
+        assert loaded, source
         assert source.index(f"'{store}'") < source.index(f"'{load}'")
+        # on CUDA the first op that reads the loaded tensor, in a compiled segment too, waits for its copy
+        after = source[loaded.end() :].splitlines()[1:]
+        waits = [i for i, line in enumerate(after) if "streams.wait_for(" in line and f"'{load}'" in line]
+        reads = [i for i, line in enumerate(after) if re.search(rf"(?<!')\b{loaded.group(1)}\b(?!')", line)]
+        assert waits and waits[0] < reads[0], source
 
 
 def test_a_recomputation_runs_its_ops_twice(tower):

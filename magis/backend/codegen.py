@@ -194,8 +194,8 @@ class _Block:
             if i < skip_to:
                 continue
             if segments and i in segments:
-                self.segment(segments[i], local)
                 skip_to = segments[i].stop
+                self.segment(segments[i], local, _waits(instructions[i:skip_to]))
                 continue
             var = local[ins.node] = w.variable(ins.node)
             if isinstance(ins.fn, PartLoop):
@@ -212,9 +212,13 @@ class _Block:
             if ins.free:
                 self.line(f"del {', '.join(local.pop(n) for n in ins.free)}")
 
-    def segment(self, segment: Segment, local: dict[str, str]) -> None:
-        """``outputs = segment([inputs])``, the inputs that die inside it dropped before the call."""
+    def segment(self, segment: Segment, local: dict[str, str], waits: tuple[str, ...]) -> None:
+        """``outputs = segment([inputs])``, the inputs that die inside it dropped before the call;
+        on CUDA the compute stream first waits for the copies of the Loads its ops read
+        (``waits``): their kernels run inside the compiled call, where no instruction waits."""
         w = self.writer
+        if waits:
+            self.line(f"if streams is not None: streams.wait_for({waits!r})")
         args = w.variable("args")
         self.line(f"{args} = [{', '.join(local[n] for n in segment.inputs)}]")
         if segment.dying:
@@ -276,6 +280,11 @@ class _Block:
         self.lines += part.lines
         self.line(f"{var} = ({', '.join(results)},)")
         self.line(f"del {strides}, {k}, {', '.join(results)}")
+
+
+def _waits(instructions: Sequence[Instruction]) -> tuple[str, ...]:
+    """The Loads any of ``instructions`` waits for, each once, in order."""
+    return tuple(dict.fromkeys(load for ins in instructions for load in ins.waits))
 
 
 def _transfer(streams: Any, name: str, transfer: Store | Load, value: torch.Tensor) -> torch.Tensor:
