@@ -92,7 +92,10 @@ def test_eval_plan_returns_eager_output_within_its_simulated_peak(tmp_path, devi
     plan = magis.optimize(model, (images,), inference=True, memory_limit=0.75, device=device, **SEARCH)
     assert plan.peak_bytes <= plan.objective.memory_bytes < plan.baseline_peak_bytes
     assert plan.report().verified
-    assert rule in [step.rule for step in plan.search.best.steps]
+    steps = [step.rule for step in plan.search.best.steps]
+    assert rule in steps
+    if "concat-conv" in steps:  # a sum in two parts: eager's up to its rounding, whatever else the plan holds
+        error = REORDERED_SUM
     reference, _ = eager_output(model, images, seed=0)
     output = plan(images)
     assert output.keys() == reference.keys()

@@ -30,18 +30,13 @@ from magis.rules.fission import fission, fissioned_order
 Rule = Callable[[FTree], list[FTree]]
 
 
-def consistent(tree: FTree) -> bool:
-    """Every enabled node's ``n`` divides what its enabled ancestors left of its length."""
-    return all(tree.available_length(i) % tree.parts[i] == 0 for i in range(len(tree)) if tree.enabled(i))
-
-
 def _enabled(tree: FTree, i: int) -> FTree | None:
     """``tree`` with node ``i`` enabled at its smallest fission number, if that is consistent."""
     n = next_divisor(tree.available_length(i), 1)
     if n is None:
         return None
     result = tree.with_parts({i: n})
-    return result if consistent(result) else None
+    return result if result.consistent() else None
 
 
 def enable(tree: FTree) -> list[FTree]:
@@ -86,7 +81,7 @@ def mutate(tree: FTree) -> list[FTree]:
         n = next_divisor(tree.available_length(i), tree.parts[i])
         if n is not None:
             result = tree.with_parts({i: n})
-            if consistent(result):
+            if result.consistent():
                 found.append(result)
     return found
 

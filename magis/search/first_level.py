@@ -31,7 +31,6 @@ from magis.ir.graph import Graph
 from magis.rules.compact import bit_mask_proposals, packed_masks
 from magis.rules.early_update import early_updates
 from magis.rules.fission import FissionRegion
-from magis.rules.ftree_mutation import consistent
 from magis.rules.output_backward import backward_from_outputs
 from magis.rules.rewrite import Rewrite, Timeline
 from magis.rules.tied_gradient import tied_gradient_rewrites
@@ -118,9 +117,14 @@ class FirstLevel:
             if ledger.out_of_budget():
                 return
             state = self.early.pop(id(point), None) or self._dive_state(separable, point)
-            if state is not None:
-                self._dive_fissions(state, separable, roots)
-                dived.append(state)
+            if state is None:
+                continue
+            self._dive_fissions(state, separable, roots)
+            dived.append(state)
+            packed = self._packed_masks(state) if "compact" in self.rules else None
+            if packed is not None:
+                self._dive_fissions(packed, separable, roots)
+                dived.append(packed)
         self.early.clear()  # those the spread along the front left out stay states, unfissioned
         self._fissions(separable, roots=False)
         for state in dived:  # where time is left (small graphs): every n the estimate passed over
@@ -138,30 +142,33 @@ class FirstLevel:
                 return state
         return separable
 
-    def _packed_masks(self, separable: MState) -> None:
-        """The separable step with every saved bool mask packed into bits where it is made
-        (:mod:`magis.rules.compact`, Echo §IV-B), a state of its own whose F-Tree regions
-        unpack each part's slice inside the region
-        (:func:`~magis.analysis.ftree.with_expanding_producers`), for the main loop to fission
-        and recompute. Not the base of the first level: on BERT at paper size (h200) the
-        packed base lowered the plan at a 0.3 memory limit (0.293 @ 1.099 against 0.298 @
-        1.117) but raised the lowest peak within 10% (0.344 against 0.312): packing costs
-        the time recomputation needed."""
-        timeline = Timeline.of(separable.base, separable.base_order)
-        rewrite = packed_masks(separable.base, timeline, bit_mask_proposals(separable.base, timeline, at_source=True))
-        if rewrite is not None:
-            self._rewritten(separable, rewrite.graph, rewrite.order, rewrite.touched, "compact", rewrite.description)
+    def _packed_masks(self, parent: MState) -> MState | None:
+        """``parent`` (the separable step or a point of the recompute greedy) with every saved
+        bool mask packed into bits where it is made (:mod:`magis.rules.compact`, Echo §IV-B), a
+        state of its own whose F-Tree regions unpack each part's slice inside the region
+        (:func:`~magis.analysis.ftree.with_expanding_producers`); None where no mask packs.
+        Not the base of the first level: on BERT at paper size (h200) the packed base lowered
+        the plan at a 0.3 memory limit (0.293 @ 1.099 against 0.298 @ 1.117) but raised the
+        lowest peak within 10% (0.344 against 0.312): packing costs the time recomputation
+        needed. Each point of the greedy packed and then fissioned along its roots is what
+        the main loop would reach in two steps, the first far above the best, and on BERT at
+        paper size the first level takes the whole budget."""
+        timeline = Timeline.of(parent.base, parent.base_order)
+        rewrite = packed_masks(parent.base, timeline, bit_mask_proposals(parent.base, timeline, at_source=True))
+        if rewrite is None:
+            return None
+        return self._rewritten(parent, rewrite.graph, rewrite.order, rewrite.touched, "compact", rewrite.description)
 
     def _rewritten(
-        self, separable: MState, graph: Graph, order: tuple[str, ...], touched: frozenset[str], rule: str, what: str
+        self, parent: MState, graph: Graph, order: tuple[str, ...], touched: frozenset[str], rule: str, what: str
     ) -> MState | None:
-        """``separable`` rewritten by ``rule`` into ``graph`` in ``order`` as a state of its own
+        """``parent`` rewritten by ``rule`` into ``graph`` in ``order`` as a state of its own
         (evaluated and pushed), or None where its F-Tree is not consistent or the ledger refuses it."""
         profile = simulate_memory(graph, order)
-        tree = update_ftree(separable.tree, graph, profile, touched, self.levels)
-        if not consistent(tree):
+        tree = update_ftree(parent.tree, graph, profile, touched, self.levels)
+        if not tree.consistent():
             return None
-        state = self.ledger.evaluate(separable, Mutation(graph, order, tree, graph, order, (Step(rule, what),)))
+        state = self.ledger.evaluate(parent, Mutation(graph, order, tree, graph, order, (Step(rule, what),)))
         if state is not None:
             self.ledger.consider(state, push=True)
         return state

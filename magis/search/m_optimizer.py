@@ -47,7 +47,6 @@ from magis.analysis.ftree import DEFAULT_LEVELS, update_ftree
 from magis.cost.latency import CostModel, has_device_memory
 from magis.cost.memory import simulate_memory
 from magis.ir.graph import Graph
-from magis.rules.ftree_mutation import consistent
 from magis.rules.rewrite import Rewrite
 from magis.schedule import incremental_schedule, schedule
 from magis.search.collector import collector_paused
@@ -168,7 +167,7 @@ class _Search:
                     )
                 profile = simulate_memory(rewrite.graph, base_order)
                 tree = update_ftree(state.tree, rewrite.graph, profile, touched, self.levels)
-                if not consistent(tree):
+                if not tree.consistent():
                     ledger.stats.invalid += 1
                     continue
                 mutation = ledger.applied(rewrite.graph, base_order, tree, Step(rule.name, rewrite.description))
