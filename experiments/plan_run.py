@@ -2,7 +2,8 @@
 
 For each workload of the zoo (``magis models``) at a preset (real weights) on a device (``cpu`` or ``cuda``): the
 plan :func:`magis.optimize` returns per memory limit (a fraction of the captured
-step's simulated peak), run as a user runs it (``loss = plan(*batch)``), against the
+step's simulated peak; with ``--limit-kind latency`` per latency limit, a multiple of its
+simulated latency: the lowest peak within it), run as a user runs it (``loss = plan(*batch)``), against the
 eager step of the same model and batch: measured peak (the meter of
 :mod:`magis.backend.meter`: live tensor bytes on CPU, ``max_memory_allocated`` on
 CUDA) and step time (median of ``--runs``), gradients compared with eager's, and the
@@ -10,11 +11,13 @@ plan's simulated peak and latency. On CUDA each plan runs twice: replayed as a C
 (the default; ``graphs``: its step time, the pool it holds, its first call's peak) and
 launch by launch (``cuda_graphs=False``). ``--compile-peer`` adds ``torch.compile``'s step
 (``compile@1``: the default activation budget) beside eager, and ``--compile-plans`` each
-limit's plan searched with ``compile=True`` and run compiled (under ``compiled``). Each
+limit's plan searched with ``compile=True`` and run compiled (under ``compiled``; with
+``--compiled-only`` those alone). Each
 workload is measured whole before the next, and JSON written after each measurement.
 
     python experiments/plan_run.py [--models bert-base,unet] [--preset small] [--device cuda]
-                             [--limits 0.8,0.6] [--time-budget 60] [--compile-peer] [--compile-plans]
+                             [--limits 0.8,0.6] [--limit-kind memory|latency] [--time-budget 60]
+                             [--compile-peer] [--compile-plans] [--compiled-only]
                              [--no-cudnn] [--out results/plan_run.json] [--plot results/plan_run.png]
     python experiments/plan_run.py --plot-only results/plan_run.json --plot results/plan_run.png
 
@@ -102,7 +105,8 @@ def _plan_path(name: str, limit: float, compiled: bool, args: Any) -> Path | Non
     """Where ``--plans`` keeps the plan of ``name`` at ``limit`` (None without ``--plans``)."""
     if not args.plans:
         return None
-    return Path(args.plans) / f"{name}-{args.preset}-{limit}{'-compiled' if compiled else ''}.magis"
+    kind = "" if args.limit_kind == "memory" else "lat"
+    return Path(args.plans) / f"{name}-{args.preset}-{kind}{limit}{'-compiled' if compiled else ''}.magis"
 
 
 def _planned(
@@ -112,25 +116,19 @@ def _planned(
     from ``--plans`` where an earlier ``--search-only`` run saved it, else searched (and saved
     there). None and the reason where no plan meets the limit."""
     path = _plan_path(name, limit, compiled, args)
+    key = f"{args.limit_kind}_limit"
     if path is not None and path.exists():
         plan = dataclasses.replace(magis.load_plan(path, model), runtime="compiled" if compiled else "generated")
-        return plan, {"memory_limit": limit, "search_s": plan.report().search["seconds"], "plan_file": path.name}
+        return plan, {key: limit, "search_s": plan.report().search["seconds"], "plan_file": path.name}
     start = time.perf_counter()
     try:
-        plan = magis.optimize(
-            model,
-            batch,
-            loss_fn,
-            memory_limit=limit,
-            time_budget=args.time_budget,
-            device=args.cost_model,
-            compile=compiled,
-        )
+        options = {key: limit, "time_budget": args.time_budget, "device": args.cost_model, "compile": compiled}
+        plan = magis.optimize(model, batch, loss_fn, **options)
     except InfeasibleLimit as err:
-        return None, {"memory_limit": limit, "infeasible": str(err)}
+        return None, {key: limit, "infeasible": str(err)}
     if path is not None:
         plan.save(path)
-    return plan, {"memory_limit": limit, "search_s": time.perf_counter() - start}
+    return plan, {key: limit, "search_s": time.perf_counter() - start}
 
 
 def _measured(plan: magis.Plan, model: torch.nn.Module, batch: tuple, reference: Any, eager: dict, args: Any) -> dict:
@@ -261,7 +259,8 @@ def plot(payload: dict[str, Any], path: str) -> None:
 
     compiled = {row["model"]: row for row in payload.get("compile@1", [])}
     compiled_plans = {w["model"]: w["plans"][0] for w in payload.get("compiled", []) if w["plans"]}
-    firsts = [(w["model"], w["plans"][0]) for w in payload["workloads"] if w["plans"]]
+    primary = payload["workloads"] or payload.get("compiled", [])  # --compiled-only: the compiled plans
+    firsts = [(w["model"], w["plans"][0]) for w in primary if w["plans"]]
     rows = [(name, row) for name, row in firsts if "infeasible" not in row]
     names = [name for name, _ in rows]
     bars = {
@@ -288,8 +287,10 @@ def plot(payload: dict[str, Any], path: str) -> None:
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=20)
         ax.set_ylabel(f"{what} / eager's")
         ax.legend(fontsize=8, loc="lower right")
-    limit = rows[0][1]["memory_limit"] if rows else ""
-    fig.suptitle(f"magis plans at memory limit {limit} on {payload.get('device', '?')}: simulated vs measured")
+    kind = next((k for k in ("memory_limit", "latency_limit") if rows and k in rows[0][1]), "memory_limit")
+    limit = rows[0][1][kind] if rows else ""
+    where = payload.get("device", "?")
+    fig.suptitle(f"magis plans at {kind.replace('_', ' ')} {limit} on {where}: simulated vs measured")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -314,10 +315,20 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cost-model", default=None, help="latency cost model (default: the device's profiled one)")
     parser.add_argument("--limits", default="0.8,0.6", help="memory limits, fractions of the captured step's peak")
+    parser.add_argument(
+        "--limit-kind",
+        choices=("memory", "latency"),
+        default="memory",
+        help="--limits are memory limits (the fastest plan within each) or latency limits, multiples of the "
+        "captured step's simulated latency (the lowest peak within each)",
+    )
     parser.add_argument("--time-budget", type=float, default=60.0)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--compile-peer", action="store_true", help="also time torch.compile's step (compile@1)")
     parser.add_argument("--compile-plans", action="store_true", help="also run each plan searched with compile=True")
+    parser.add_argument(
+        "--compiled-only", action="store_true", help="only the plans searched with compile=True (no generated plan)"
+    )
     parser.add_argument("--plans", default=None, metavar="DIR", help="read saved plans from DIR, save searched ones")
     parser.add_argument(
         "--search-only", action="store_true", help="only search and save the plans in --plans (and warm Inductor)"
@@ -350,10 +361,12 @@ def main() -> None:
     names = args.models.split(",")
     for name in names:  # each workload whole before the next: a run cut short keeps complete rows
         print(f"{name} ({args.preset}, {device})", file=sys.stderr, flush=True)
-        measures = [("workloads", partial(measure_workload, name, args.preset, device, limits, args))]
+        measures = []
+        if not args.compiled_only:
+            measures.append(("workloads", partial(measure_workload, name, args.preset, device, limits, args)))
         if args.compile_peer:
             measures.append(("compile@1", partial(measure_compiled, name, args.preset, device, args)))
-        if args.compile_plans:
+        if args.compile_plans or args.compiled_only:
             measures.append(("compiled", partial(measure_compiled_plans, name, args.preset, device, limits, args)))
         for key, measure in measures:
             payload[key].append(measure())

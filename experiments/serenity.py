@@ -16,13 +16,15 @@ at ``--preset`` (``paper``: batch 1) and captured forward-only
 - ``magis``: ``magis.optimize(..., inference=True)`` in latency-limit mode (``--latency-limit``):
   the M-Optimizer's search (scheduling, fission, rewrites) on the same graph.
 
-Each order is also run for real on this CPU: measured peak (:mod:`magis.backend.meter`) against
+Each order is also run for real on this CPU (``--device cuda``: on the GPU, ``magis`` priced by
+the ``--cost-model`` profile, h200 by default): measured peak (:mod:`magis.backend.meter`) against
 simulated, outputs against eager's forward. Prints and writes, per network and on average, the
 reduction factors (PyTorch's peak over each), and the identity rewrites' share (the factor with
 rewrites over the factor without). Writes ``<out>/serenity-<preset>.json`` and ``.png``.
 
     python experiments/serenity.py [--preset paper] [--models darts-imagenet,...] [--time-limit 20]
-                                   [--latency-limit 1.10] [--time-budget 60] [--out results/serenity]
+                                   [--latency-limit 1.10] [--time-budget 60] [--device cpu|cuda]
+                                   [--cost-model h200] [--out results/serenity]
 """
 
 from __future__ import annotations
@@ -61,20 +63,27 @@ def rewritten(graph: Graph) -> tuple[Graph, int]:
         applied += 1
 
 
-def measure_network(name: str, preset: str, time_limit: float, latency_limit: float, time_budget: float) -> dict:
+def measure_network(name: str, preset: str, args: argparse.Namespace) -> dict:
     """Every order of one network: simulated and measured activation peaks, output errors."""
     built: Built = ZOO[name].build(preset)
-    model, inputs = built.model, built.example_inputs
+    model = built.model.to(args.device)
+    inputs = tuple(x.to(args.device) if isinstance(x, torch.Tensor) else x for x in built.example_inputs)
     graph = capture_forward(model, inputs).graph
     plans: dict[str, tuple[Graph, tuple[str, ...]]] = {"pytorch": (graph, tuple(n.name for n in graph.nodes))}
     plans["kahn"] = (graph, tuple(kahn_order(graph)))
-    plans["serenity"] = (graph, schedule(graph, time_limit).order)
+    plans["serenity"] = (graph, schedule(graph, args.time_limit).order)
     rewritten_graph, rewrites = rewritten(graph)
-    with_rewrites = (rewritten_graph, schedule(rewritten_graph, time_limit).order)
+    with_rewrites = (rewritten_graph, schedule(rewritten_graph, args.time_limit).order)
     better = simulate_memory(*with_rewrites).peak < simulate_memory(*plans["serenity"]).peak
     plans["serenity+rewrites"] = with_rewrites if better else plans["serenity"]
     plan = magis.optimize(
-        model, inputs, inference=True, latency_limit=latency_limit, time_budget=time_budget, progress=False
+        model,
+        inputs,
+        inference=True,
+        latency_limit=args.latency_limit,
+        time_budget=args.time_budget,
+        device=args.cost_model,
+        progress=False,
     )
     plans["magis"] = (plan.graph, plan.order)
     rows = {}
@@ -139,14 +148,21 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per scheduling call (default: 20)")
     parser.add_argument("--latency-limit", type=float, default=1.10, help="magis' latency limit (default: 1.10)")
     parser.add_argument("--time-budget", type=float, default=60.0, help="magis' search seconds (default: 60)")
+    parser.add_argument("--device", default="cpu", help="where the orders run: cpu or cuda (default: cpu)")
+    parser.add_argument(
+        "--cost-model", default=None, help="magis' latency model (default: profiled on this CPU; h200 on cuda)"
+    )
     parser.add_argument("--out", default="results/serenity")
     args = parser.parse_args()
+    args.device = torch.device(args.device)
+    if args.cost_model is None and args.device.type == "cuda":
+        args.cost_model = "h200"
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in inference]
     if unknown:
         parser.error(f"not an inference workload: {', '.join(unknown)} (choose from {', '.join(inference)})")
     torch.manual_seed(0)
-    rows = [measure_network(n, args.preset, args.time_limit, args.latency_limit, args.time_budget) for n in names]
+    rows = [measure_network(n, args.preset, args) for n in names]
     summary = {
         f"mean_reduction_{order}": sum(r["reduction_vs_pytorch"][order] for r in rows) / len(rows) for order in ORDERS
     }
