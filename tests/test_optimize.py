@@ -494,7 +494,8 @@ def test_a_fission_that_moves_the_peak_is_refined_by_recomputation(monkeypatch):
 
 def test_the_first_level_packs_the_masks_of_the_recompute_greedys_points_and_fissions_them(monkeypatch):
     """Each point of the first level's recompute greedy is also a state with its saved masks
-    packed into bits (Echo §IV-B), and that state's roots are fissioned as the point's are: on a
+    packed into bits (Echo §IV-B), and so are the points of its front the estimate ranks best
+    once packed; those states' roots are fissioned as the points' are: on a
     step of thousands of nodes the main loop never expands a state within its budget (BERT at
     paper size, h200, 60 s), and it is the packed, recomputed, fissioned plan that holds least
     (0.265 of eager's peak at 1.097x where the compiled step is priced, against 0.310). Tiny
@@ -512,8 +513,18 @@ def test_the_first_level_packs_the_masks_of_the_recompute_greedys_points_and_fis
         dive_fissions(self, state, separable, roots)
         fissioned.append(([step.rule for step in state.steps], self.ledger.stats.states - before))
 
+    more, packed_points = [], first_level.FirstLevel._packed_points
+
+    def kept(self, *args):
+        made = packed_points(self, *args)
+        more.extend(made)
+        return made
+
     monkeypatch.setattr(first_level.FirstLevel, "_dive_fissions", watched)
+    monkeypatch.setattr(first_level.FirstLevel, "_packed_points", kept)
     m_optimize(graph, limit, fused, rule_names=["remat", "compact"], time_budget=30, progress=False)
     packed = [(rules, made) for rules, made in fissioned if rules[-1] == "compact"]
     assert packed and all("remat" in rules for rules, _ in packed)
     assert any(made > 0 for _, made in packed)
+    # and points of the front the spread left out, ranked best once packed: made states, packed
+    assert more and all([step.rule for step in state.steps][-1] == "compact" for state in more)
