@@ -500,16 +500,13 @@ def update_ftree(
             found = component_candidates(graph, dgraph, dimension, index, levels, 2)
             fresh.extend(c for c in found if c.axes not in parts)
     kept.extend(fresh)
-    plain = _with_parts(kept, parts)
     inherited = dict(parts)
     for c, n in moved:
         heir = _heir(c, fresh, graph, touched)
         if heir is not None and heir.length % n == 0:
             inherited.setdefault(heir.axes, n)
-    if len(inherited) == len(parts):
-        return plain
     result = _with_parts(kept, inherited)
-    return result if result.consistent() else plain
+    return result if result.consistent() or len(inherited) == len(parts) else _with_parts(kept, parts)
 
 
 def _with_parts(found: list[Candidate], parts: Mapping[tuple, int]) -> FTree:

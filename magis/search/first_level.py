@@ -130,7 +130,7 @@ class FirstLevel:
         first is packed, the points packing suits best too (:meth:`_packed_points`). None where
         the budget ran out."""
         dived: list[MState] = []
-        walked = False
+        ranked_more = False
         for point in sorted(points, key=lambda p: self._with_fission(p, separable, roots)[1]):
             if self.ledger.out_of_budget():
                 return None
@@ -139,14 +139,21 @@ class FirstLevel:
                 continue
             self._dive_fissions(state, separable, roots)
             dived.append(state)
-            packed = self._packed_masks(state) if "compact" in self.rules else None
+            packed = self._packed_fissioned(state, separable, roots) if "compact" in self.rules else None
             if packed is not None:
-                self._dive_fissions(packed, separable, roots)
                 dived.append(packed)
-                if not walked:  # at the first packed point: on large steps the budget ends before the last
-                    walked = True
+                if not ranked_more:  # at the first packed point: on large steps the budget ends before the last
+                    ranked_more = True
                     dived += self._packed_points(state, packed, separable, roots, {id(p) for p in points})
         return dived
+
+    def _packed_fissioned(self, state: MState, separable: MState, roots: Roots) -> MState | None:
+        """``state`` with its masks packed (:meth:`_packed_masks`), fissioned where the limit lies
+        (:meth:`_dive_fissions`); None where no mask packs."""
+        packed = self._packed_masks(state)
+        if packed is not None:
+            self._dive_fissions(packed, separable, roots)
+        return packed
 
     def _as_base(self, separable: MState, rule: str, rewrites: Iterable[Rewrite]) -> MState:
         """The first of ``rule``'s ``rewrites`` of the separable step whose peak is no higher, as a
@@ -188,21 +195,17 @@ class FirstLevel:
         BERT at paper size, h200, 1.10: packing adds 4.9 ms to a 345 ms plan, and the lowest
         peak within the limit goes from 0.310 to 0.294 of eager's)."""
         added, saved = packed.latency_s - state.latency_s, state.peak_bytes - packed.peak_bytes
-        shifted = {
-            id(p): replace(p, peak_bytes=p.peak_bytes - saved, latency_s=p.latency_s + added)
+        shifted = [
+            (p, replace(p, peak_bytes=p.peak_bytes - saved, latency_s=p.latency_s + added))
             for p in self.front
             if id(p) not in made
-        }
-        ranked = sorted(
-            (p for p in self.front if id(p) in shifted),
-            key=lambda p: self._with_fission(shifted[id(p)], separable, roots)[1],
-        )
+        ]
+        shifted.sort(key=lambda pair: self._with_fission(pair[1], separable, roots)[1])
         states = []
-        for point in ranked[:PACKED_POINTS]:
+        for point, _ in shifted[:PACKED_POINTS]:
             made_state = self._dive_state(separable, point) if not self.ledger.out_of_budget() else None
-            packed_point = self._packed_masks(made_state) if made_state is not None else None
+            packed_point = self._packed_fissioned(made_state, separable, roots) if made_state is not None else None
             if packed_point is not None:
-                self._dive_fissions(packed_point, separable, roots)
                 states.append(packed_point)
         return states
 
