@@ -167,9 +167,19 @@ class NumpyEscape(nn.Module):
         return torch.from_numpy(self.fc(x).detach().numpy()).sum() + self.fc(x).sum()
 
 
-def test_data_dependent_control_flow_is_named():
-    with pytest.raises(CaptureError, match="data-dependent"):
+def test_data_dependent_control_flow_is_named_with_its_line():
+    with pytest.raises(CaptureError, match="data-dependent") as raised:
         magis.capture(DataDependent(), (torch.randn(2, 4),))
+    assert "test_capture.py:" in str(raised.value) and "if y.sum() > 0:" in str(raised.value)
+
+
+def test_a_batch_norm_with_a_cumulative_average_is_refused_at_its_line():
+    """``momentum=None`` makes the average factor ``1 / float(num_batches_tracked)``, a Python
+    number read from a buffer: refused, naming torch.nn's line, not a constant baked in."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.Flatten(), nn.Linear(64, 2))
+    with pytest.raises(CaptureError, match="data-dependent") as raised:
+        magis.capture(model, (torch.randn(2, 3, 6, 6),), lambda out: out.sum())
+    assert "batchnorm.py:" in str(raised.value) and "num_batches_tracked" in str(raised.value)
 
 
 def test_uncapturable_op_is_named():

@@ -13,7 +13,10 @@ gradients): the graph of an inference plan, whose outputs are the output's tenso
 from __future__ import annotations
 
 import contextlib
+import os
+import sysconfig
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -427,24 +430,66 @@ def _frozen(params: list[torch.nn.Parameter]) -> Iterator[None]:
 
 
 def explain_capture_failure(err: Exception) -> str:
-    """A :class:`CaptureError` message naming the cause of a tracing failure."""
+    """A :class:`CaptureError` message naming the cause of a tracing failure and, where the
+    traceback shows it, the line of the model's code (or of ``torch.nn``'s) that made the call."""
     text = f"{type(err).__name__}: {err}".strip()
     first = text.splitlines()[0] if text else type(err).__name__
     kind = type(err).__name__
+    origin = failing_line(err)
+    at = f" at {origin}" if origin else ""
     if "DataDependent" in kind or "data-dependent" in text or "GuardOnDataDependent" in text:
         return (
             "the model has data-dependent Python control flow (a branch or loop on a tensor's value, "
-            f".item() or .tolist()), which a graph cannot capture: {first}"
+            f".item() or .tolist()){at}, which a graph cannot capture: {first}"
         )
     if "DynamicOutputShape" in kind or "dynamic output shape" in text.lower():
-        return f"an op has a data-dependent output shape (e.g. nonzero, masked_select, unique): {first}"
+        return f"an op has a data-dependent output shape (e.g. nonzero, masked_select, unique){at}: {first}"
     if "convert all Tensors to FakeTensors" in text:
         return (
             "the step uses a tensor that is neither a parameter, a buffer nor in the batch (e.g. a loss "
-            "closing over the labels): pass them in the batch and take them in training_step(model, *batch); "
-            f"{first}"
+            "closing over the labels): pass them in the batch and take them in training_step(model, *batch)"
+            f"{at}; {first}"
         )
-    return f"could not capture the training step: {first}"
+    return f"could not capture the training step{at}: {first}"
+
+
+_TORCH = os.path.dirname(torch.__file__)
+_MAGIS = os.path.dirname(os.path.dirname(__file__))
+_PATHS = sysconfig.get_paths()
+
+
+def failing_line(err: BaseException) -> str | None:
+    """``file:line (code)`` of the innermost frame, over ``err`` and the exceptions it was
+    raised from, in the model's code or ``torch.nn``'s: where the step did what tracing
+    could not follow (e.g. ``float(self.num_batches_tracked)`` in a batch norm whose momentum
+    is ``None``). ``None`` where no such frame is."""
+    found = None
+    seen: set[int] = set()
+    chain: BaseException | None = err
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        frames = [f for f in traceback.extract_tb(chain.__traceback__) if _model_facing(f.filename)]
+        found = frames[-1] if frames else found
+        chain = chain.__cause__ or chain.__context__
+    if found is None:
+        return None
+    code = f" (`{found.line.strip()}`)" if found.line else ""
+    return f"{found.filename}:{found.lineno}{code}"
+
+
+def _model_facing(filename: str) -> bool:
+    """Whether a frame of ``filename`` is the model's (its own code, a library it is built with,
+    ``torch.nn``) rather than the tracing machinery's (torch, magis, Python's own library)."""
+    path = os.path.abspath(filename)
+    if _under(path, os.path.join(_TORCH, "nn")):
+        return True
+    if _under(path, _TORCH) or _under(path, _MAGIS):
+        return False
+    return _under(path, _PATHS["purelib"]) or _under(path, _PATHS["platlib"]) or not _under(path, _PATHS["stdlib"])
+
+
+def _under(path: str, folder: str) -> bool:
+    return path.startswith(os.path.join(folder, ""))
 
 
 def _silu_backward_decomposed(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
