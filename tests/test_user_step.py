@@ -262,6 +262,73 @@ def test_bf16_autocast_with_dropout_gives_eagers_loss_and_other_autocast_is_refu
         fp32(*batches[0])
 
 
+def bf16_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    return F.cross_entropy(logits.float(), y)
+
+
+def test_autocast_inside_the_users_step_is_checked_in_bfloat16_and_trains_like_eager():
+    """A float32 model whose step enters bf16 autocast itself: the check judges it at bf16's
+    tolerance (the graph computes in bf16), not float32's, which refused it over a convolution
+    bias before batch norm (its exact gradient is zero, bf16 rounding is all it holds)."""
+    torch.manual_seed(0)
+    model = BatchNormCNN()
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 5, (16,))
+    plan = magis.optimize(model, (x, y), training_step=bf16_step, memory_limit=0.8, **SEARCH)
+    assert plan.report().verified and "bfloat16" in plan.report().verification
+    optimizer, twin_optimizer = (torch.optim.RMSprop(m.parameters(), lr=1e-3) for m in (model, twin))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        loss = plan(x, y)
+        torch.manual_seed(seed)
+        expected = bf16_step(twin, x, y)
+        expected.backward()
+        assert float(loss) == pytest.approx(float(expected), rel=2**-7)
+        largest = max(q.grad.abs().max() for q in twin.parameters())
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert (p.grad - q.grad).abs().max() <= 5e-2 * largest, name
+        for opt in (optimizer, twin_optimizer):
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_difference_eager_makes_too_against_float64_passes_and_a_wrong_gradient_does_not(monkeypatch):
+    """Where the graph differs from eager beyond the tolerance, both are set beside the step in
+    float64: a gradient rounded otherwise (on the other side of the exact value, 1.5 times as
+    far from it as eager's) passes; a gradient 20% off does not."""
+    torch.manual_seed(0)
+    model = BatchNormCNN()
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 5, (16,))
+    graph = magis.capture(model, (x, y), training_step=bf16_step)
+    wide = copy.deepcopy(model).double()
+    torch.manual_seed(0)
+    bf16_step(wide, x.double(), y).backward()
+    exact = {name: p.grad.float() for name, p in wide.named_parameters()}
+    run_both = verify.run_both
+
+    def changed(name: str, change):
+        def run(*args, **kwargs):
+            both = run_both(*args, **kwargs)
+            both.result.gradients[name] = change(both.reference.gradients[name], exact[name])
+            return both
+
+        return run
+
+    torch.manual_seed(0)
+    bf16_step(model, x, y).backward()
+    weight = model.conv2.weight.grad
+    model.zero_grad()
+    assert (weight - exact["conv2.weight"]).abs().max() > 0.05 / 2.5 * weight.abs().max()  # the check must look further
+    monkeypatch.setattr(verify, "run_both", changed("conv2.weight", lambda got, exact: exact - 1.5 * (got - exact)))
+    passed = verify.verify_capture(graph, model, (x, y), UserStep(training_step=bf16_step))
+    assert passed.verified and "float64" in passed.note
+    monkeypatch.setattr(verify, "run_both", changed("bn1.weight", lambda got, exact: 1.2 * got))
+    with pytest.raises(magis.CaptureMismatch, match=r"bn1\.weight"):
+        verify.verify_capture(graph, model, (x, y), UserStep(training_step=bf16_step))
+
+
 def test_a_grad_scaler_steps_a_plan_as_it_steps_eager():
     """``plan(*batch, grad_scale=s)`` seeds the backward with ``s``: ``.grad`` holds the scaled
     gradients, the loss returned is unscaled, and ``scaler.step``/``update`` work unchanged."""

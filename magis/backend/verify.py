@@ -12,6 +12,8 @@ raises :class:`CaptureMismatch` naming the largest difference and what is suspec
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,20 +105,25 @@ def _eager_reference(graph: Graph, model: torch.nn.Module, batch: Any, step: Use
     return eager_step(model, batch, step.loss_fn, training_step=step.training_step)
 
 
-def step_precision(model: torch.nn.Module) -> torch.dtype:
-    """The narrowest floating dtype the step computes in: its trainable parameters', or
-    autocast's on the model's device."""
+def step_precision(model: torch.nn.Module, graph: Graph | None = None) -> torch.dtype:
+    """The narrowest floating dtype the step computes in: its trainable parameters', autocast's
+    on the model's device, or any ``graph`` computes (autocast entered inside the user's step)."""
     params = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
     dtypes = {p.dtype for p in params}
     device = params[0].device.type if params else "cpu"
     dtypes |= {dtype for kind, dtype in autocast_state() if kind == device and dtype is not None}
+    if graph is not None:
+        dtypes |= {m.dtype for n in graph.nodes for m in n.outputs if m is not None and m.dtype.is_floating_point}
     return min(dtypes or {torch.float32}, key=lambda dtype: (dtype.itemsize, dtype != torch.bfloat16))
 
 
-def compare_steps(both: BothSteps, precision: torch.dtype) -> tuple[float, GradientComparison]:
+def compare_steps(
+    both: BothSteps, precision: torch.dtype, noise_floor: float | None = None
+) -> tuple[float, GradientComparison]:
     """The loss's relative difference, and every gradient (an inference step: every output) and
     every buffer eager or the graph changed, the graph's against eager's
-    (:func:`~magis.backend.eager.compare_gradients`)."""
+    (:func:`~magis.backend.eager.compare_gradients`; ``noise_floor`` the precision's unless
+    given: 1 measures every difference against the largest value of all)."""
     if both.reference.loss is None:
         loss = 0.0
         reference = {f"output {i}": t for i, t in enumerate(both.reference.outputs)}
@@ -128,7 +135,8 @@ def compare_steps(both: BothSteps, precision: torch.dtype) -> tuple[float, Gradi
         if not torch.equal(value, both.buffers_before[name]) or name in both.result.buffer_updates:
             reference[f"buffer {name}"] = value
             other[f"buffer {name}"] = both.result.buffer_updates.get(name, both.buffers_before[name])
-    return loss, compare_gradients(reference, other, NOISE_FLOOR.get(precision, 1e-6))
+    floor = NOISE_FLOOR.get(precision, 1e-6) if noise_floor is None else noise_floor
+    return loss, compare_gradients(reference, other, floor)
 
 
 def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int = 0) -> Verification:
@@ -139,15 +147,17 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
     up to :data:`EAGER_NOISE_MARGIN` times eager's own from one run to the next (atomic adds
     in a convolution's backward make it nondeterministic; a gradient whose terms cancel, a
     convolution bias before batch norm, turns that noise into large relative differences)."""
-    precision = step_precision(model)
+    precision = step_precision(model, graph)
     tolerance = GRADIENT_TOLERANCE.get(precision, GRADIENT_TOLERANCE[torch.float32])
     with exact_float32(model):
         both = run_both(graph, None, model, batch, step, seed)
         loss, comparison = compare_steps(both, precision)
         largest = max(loss, comparison.max_error)
-        noise = None
+        noise = truth = None
         if comparison.same_names and largest > tolerance and on_cuda(model):
             noise = compare_steps(_against_eager_again(graph, model, batch, step, seed, both), precision)
+        if comparison.same_names and largest > tolerance and precision is not torch.float64:
+            truth = _against_float64(graph, model, batch, step, seed, both, precision)
     inference = graph.signature.inference
     what = "outputs and buffer updates" if inference else "loss, gradients and buffer updates"
     if comparison.same_names and largest <= tolerance:
@@ -162,6 +172,14 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
             f"{what} equal eager PyTorch's within {tolerance:g} ({precision}) or within {EAGER_NOISE_MARGIN:g} "
             f"times eager's own difference from one run to the next on CUDA (largest relative difference "
             f"{largest:.2g}, eager's own up to {max(noise[0], noise[1].max_error):.2g})",
+        )
+    if truth is not None and _as_near_as_eager(*truth, tolerance):
+        return Verification(
+            True,
+            f"{what} equal eager PyTorch's within {tolerance:g} ({precision}) or are as near the same step run in "
+            f"float64 as eager's, within {FLOAT64_MARGIN:g} times eager's distance to it (largest relative "
+            f"difference to eager's {largest:.2g}; to float64's: eager's up to {_largest(*truth[0]):.2g}, "
+            f"the graph's {_largest(*truth[1]):.2g})",
         )
     found = [] if inference else [f"the loss differs by {loss:.3g} (relative)"]
     if comparison.worst is not None:
@@ -212,6 +230,94 @@ def _against_eager_again(
         after = buffers_snapshot(model)
     result = StepResult(again.loss, again.gradients, after, again.outputs)
     return BothSteps(both.reference, result, both.buffers_before, both.buffers_after)
+
+
+def _against_float64(
+    graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int, both: BothSteps, precision: torch.dtype
+) -> tuple[tuple[float, GradientComparison], tuple[float, GradientComparison]] | None:
+    """Eager's and the graph's distance to eager's step on a float64 copy of the model and
+    batch (autocast leaves float64 alone): ``(eager's, the graph's)``, each as
+    :func:`compare_steps` gives it. Rounding alone can make two correct steps differ by far more
+    than the precision's tolerance where a gradient's exact value is zero (a convolution's
+    bias before batch norm); beside the exact values a capture is judged as eager is
+    (torch._dynamo's accuracy check does the same).
+
+    None where the float64 run is not the same step: it fails (a dtype the step fixes,
+    memory), eager differs from it by more than the tolerance measured against the largest
+    gradient of all (other random draws), or the step draws random numbers on CUDA (whose
+    dropout kernels draw per dtype)."""
+    if on_cuda(model) and any(node.random for node in graph.nodes):
+        return None
+    free = free_device_bytes(model) if on_cuda(model) else _free_host_bytes()
+    if free is not None and FLOAT64_COPIES * _float64_bytes(model) > free:
+        return None
+    try:
+        with forked_rng(model):
+            wide = copy.deepcopy(model).double()
+            wide_batch = pytree.tree_map(lambda x: x.double() if _is_float_tensor(x) else x, batch)
+            before = buffers_snapshot(wide)
+            torch.manual_seed(seed)
+            exact = _eager_reference(graph, wide, wide_batch, step)
+            after = buffers_snapshot(wide)
+    except Exception:  # the step does not run in float64: no such check
+        return None
+    truth = StepResult(exact.loss, exact.gradients, after, exact.outputs)
+    eager = BothSteps(
+        truth,
+        StepResult(both.reference.loss, both.reference.gradients, both.buffers_after, both.reference.outputs),
+        before,
+        after,
+    )
+    tolerance = GRADIENT_TOLERANCE.get(precision, GRADIENT_TOLERANCE[torch.float32])
+    loss, overall = compare_steps(eager, precision, noise_floor=1.0)
+    if not overall.same_names or max(loss, overall.max_error) > tolerance:
+        return None
+    return compare_steps(eager, precision), compare_steps(BothSteps(truth, both.result, before, after), precision)
+
+
+#: how many times eager's distance to the float64 step the graph's may be (torch._dynamo's
+#: accuracy check allows twice, and a tenth of the tolerance besides)
+FLOAT64_MARGIN = 2.0
+
+
+def _as_near_as_eager(
+    eager: tuple[float, GradientComparison], graph: tuple[float, GradientComparison], tolerance: float
+) -> bool:
+    """Whether the graph's loss and each of its gradients are as near the float64 step's as
+    eager's are (:data:`FLOAT64_MARGIN`, plus a tenth of ``tolerance``)."""
+    (eager_loss, eager_errors), (graph_loss, graph_errors) = eager, graph
+    if graph_loss > FLOAT64_MARGIN * eager_loss + tolerance / 10:
+        return False
+    return all(
+        error <= FLOAT64_MARGIN * eager_errors.errors.get(name, 0.0) + tolerance / 10
+        for name, error in graph_errors.errors.items()
+    )
+
+
+#: how many float64 copies of the model's weights the float64 check must find free (weights,
+#: gradients, the optimizer-free step's activations at least as large again): else it is skipped
+FLOAT64_COPIES = 4
+
+
+def _float64_bytes(model: torch.nn.Module) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * (8 if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def _free_host_bytes() -> int | None:
+    """The host's available memory where the OS says (Linux), else None."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _largest(loss: float, comparison: GradientComparison) -> float:
+    return max(loss, comparison.max_error)
+
+
+def _is_float_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _within_noise(
