@@ -14,7 +14,8 @@ time (as Echo's and MAGIS' fission make a large operator in parts): each slice i
 and the padding index, sent to one extra row that the kernel skips as padding. Each row of a
 slice adds the same token gradients in the same order as the whole kernel (which adds a row's
 tokens in their order), and the sum adds each element once: the gradient is eager's bit for
-bit, while one slice, not two matrices, is held above the gradients.
+bit, while one slice, not two matrices, is held above the gradients. A weight tied three ways
+(T5's shared embedding: encoder, decoder, head) sums twice; the second sum is written into the first.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from magis.ir.graph import Graph, Node, Ref, is_view
+from magis.ir.graph import Graph, Node, Ref, is_view, map_refs
 from magis.rules.in_place import output_storages, overwritable, storage_readers
 from magis.rules.rewrite import Rewrite, prune_dead
 
@@ -159,6 +160,8 @@ def tied_gradient_rewrites(graph: Graph, order: Sequence[str] | None = None) -> 
             replace(draft, aliases=((0, 0),), role=graph[total].role, workspace=target.workspace(graph, draft))
         )
         rename[total] = draft.name
+    # a weight tied three ways (T5: encoder, decoder, head) sums twice; the second sum writes into the first
+    added = [replace(node, args=map_refs(node.args, lambda ref: Ref(rename.get(ref.name, ref.name)))) for node in added]
     gone = {embedding for _, _, embedding in found}
     views = [name for _, term, _ in found for name in _views_between(graph, term)]
     result = prune_dead(graph.replace(remove=[*gone, *rename], add=added, rename=rename), views)
