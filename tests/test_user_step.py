@@ -329,6 +329,53 @@ def test_a_difference_eager_makes_too_against_float64_passes_and_a_wrong_gradien
         verify.verify_capture(graph, model, (x, y), UserStep(training_step=bf16_step))
 
 
+def test_a_nan_the_graph_makes_and_eager_does_not_is_refused(monkeypatch):
+    """A NaN difference is the largest of all, wherever it is met (``max(0.0, nan)`` is 0.0:
+    a NaN gradient met after a finite loss had passed the check)."""
+    torch.manual_seed(0)
+    model = BatchNormCNN()
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 5, (16,))
+    graph = magis.capture(model, (x, y), training_step=cross_entropy_step)
+    run_both = verify.run_both
+
+    def with_nan(name: str):
+        def run(*args, **kwargs):
+            both = run_both(*args, **kwargs)
+            if name == "loss":
+                both.result.loss = torch.full_like(both.result.loss, float("nan"))
+            else:
+                both.result.gradients[name] = (
+                    both.result.gradients[name]
+                    .clone()
+                    .view(-1)
+                    .index_fill(0, torch.tensor([1]), float("nan"))
+                    .view_as(both.result.gradients[name])
+                )
+            return both
+
+        return run
+
+    for name in ("fc.weight", "loss"):
+        monkeypatch.setattr(verify, "run_both", with_nan(name))
+        with pytest.raises(magis.CaptureMismatch, match="nan"):
+            verify.verify_capture(graph, model, (x, y), UserStep(training_step=cross_entropy_step))
+
+
+class NotFinite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.a(x) - 100).mean()  # the log of a negative number: NaN
+
+
+def test_a_step_whose_eager_loss_is_nan_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(magis.api, "m_optimize", _no_search)
+    with pytest.raises(magis.CaptureError, match="eager PyTorch's own loss is not finite"):
+        magis.optimize(NotFinite(), (torch.randn(4, 8),), **SEARCH)
+
+
 def test_a_grad_scaler_steps_a_plan_as_it_steps_eager():
     """``plan(*batch, grad_scale=s)`` seeds the backward with ``s``: ``.grad`` holds the scaled
     gradients, the loss returned is unscaled, and ``scaler.step``/``update`` work unchanged."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -152,7 +153,7 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
     with exact_float32(model):
         both = run_both(graph, None, model, batch, step, seed)
         loss, comparison = compare_steps(both, precision)
-        largest = max(loss, comparison.max_error)
+        largest = _largest(loss, comparison)
         noise = truth = None
         if comparison.same_names and largest > tolerance and on_cuda(model):
             noise = compare_steps(_against_eager_again(graph, model, batch, step, seed, both), precision)
@@ -171,7 +172,7 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
             True,
             f"{what} equal eager PyTorch's within {tolerance:g} ({precision}) or within {EAGER_NOISE_MARGIN:g} "
             f"times eager's own difference from one run to the next on CUDA (largest relative difference "
-            f"{largest:.2g}, eager's own up to {max(noise[0], noise[1].max_error):.2g})",
+            f"{largest:.2g}, eager's own up to {_largest(*noise):.2g})",
         )
     if truth is not None and _as_near_as_eager(*truth, tolerance):
         return Verification(
@@ -180,6 +181,13 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
             f"float64 as eager's, within {FLOAT64_MARGIN:g} times eager's distance to it (largest relative "
             f"difference to eager's {largest:.2g}; to float64's: eager's up to {_largest(*truth[0]):.2g}, "
             f"the graph's {_largest(*truth[1]):.2g})",
+        )
+    broken = not_finite(both.reference)
+    if broken is not None:
+        raise CaptureError(
+            f"eager PyTorch's own {broken} is not finite on the example batch, so there is nothing to check the "
+            "captured step against (and nothing worth planning): run the step eagerly and fix the model, its "
+            "precision or the batch first; optimize(..., verify=False) plans it anyway"
         )
     found = [] if inference else [f"the loss differs by {loss:.3g} (relative)"]
     if comparison.worst is not None:
@@ -193,6 +201,18 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
         f"Suspected: {_suspect(graph, model, batch, step, comparison)}. Nothing was planned; "
         "optimize(..., verify=False) plans it anyway (at your own risk)"
     )
+
+
+def not_finite(result: StepResult) -> str | None:
+    """What of a step's results holds a NaN or an infinity (``"loss"``, ``"gradient of NAME"``,
+    ``"output I"``), or None."""
+    named = [("loss", result.loss)] if result.loss is not None else []
+    named += [(f"gradient of {name}", grad) for name, grad in result.gradients.items()]
+    named += [(f"output {i}", out) for i, out in enumerate(result.outputs)]
+    for what, tensor in named:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            return what
+    return None
 
 
 #: on CUDA, how many times eager's own run-to-run difference the captured step may differ by
@@ -270,7 +290,7 @@ def _against_float64(
     )
     tolerance = GRADIENT_TOLERANCE.get(precision, GRADIENT_TOLERANCE[torch.float32])
     loss, overall = compare_steps(eager, precision, noise_floor=1.0)
-    if not overall.same_names or max(loss, overall.max_error) > tolerance:
+    if not overall.same_names or not _largest(loss, overall) <= tolerance:
         return None
     return compare_steps(eager, precision), compare_steps(BothSteps(truth, both.result, before, after), precision)
 
@@ -286,7 +306,7 @@ def _as_near_as_eager(
     """Whether the graph's loss and each of its gradients are as near the float64 step's as
     eager's are (:data:`FLOAT64_MARGIN`, plus a tenth of ``tolerance``)."""
     (eager_loss, eager_errors), (graph_loss, graph_errors) = eager, graph
-    if graph_loss > FLOAT64_MARGIN * eager_loss + tolerance / 10:
+    if not graph_loss <= FLOAT64_MARGIN * eager_loss + tolerance / 10:  # a NaN fails
         return False
     return all(
         error <= FLOAT64_MARGIN * eager_errors.errors.get(name, 0.0) + tolerance / 10
@@ -313,6 +333,9 @@ def _free_host_bytes() -> int | None:
 
 
 def _largest(loss: float, comparison: GradientComparison) -> float:
+    """The larger of the two differences, NaN where either is (``max`` would drop a NaN met second)."""
+    if math.isnan(loss) or math.isnan(comparison.max_error):
+        return math.nan
     return max(loss, comparison.max_error)
 
 
@@ -325,7 +348,7 @@ def _within_noise(
 ) -> bool:
     """Whether the loss and each gradient differ by at most the tolerance or
     :data:`EAGER_NOISE_MARGIN` times eager's own difference for the same name."""
-    if loss > max(tolerance, EAGER_NOISE_MARGIN * noise_loss):
+    if not loss <= max(tolerance, EAGER_NOISE_MARGIN * noise_loss):  # a NaN fails
         return False
     return all(
         error <= max(tolerance, EAGER_NOISE_MARGIN * noise.errors.get(name, 0.0))

@@ -459,8 +459,8 @@ _PATHS = sysconfig.get_paths()
 
 
 def failing_line(err: BaseException) -> str | None:
-    """``file:line (code)`` of the innermost frame, over ``err`` and the exceptions it was
-    raised from, in the model's code or ``torch.nn``'s: where the step did what tracing
+    """``file:line (code)`` of the innermost frame with source, over ``err`` and the exceptions
+    it was raised from, in the model's code or ``torch.nn``'s: where the step did what tracing
     could not follow (e.g. ``float(self.num_batches_tracked)`` in a batch norm whose momentum
     is ``None``). ``None`` where no such frame is."""
     found = None
@@ -468,21 +468,20 @@ def failing_line(err: BaseException) -> str | None:
     chain: BaseException | None = err
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))
-        frames = [f for f in traceback.extract_tb(chain.__traceback__) if _model_facing(f.filename)]
+        frames = [f for f in traceback.extract_tb(chain.__traceback__) if f.line and _model_facing(f.filename)]
         found = frames[-1] if frames else found
         chain = chain.__cause__ or chain.__context__
-    if found is None:
-        return None
-    code = f" (`{found.line.strip()}`)" if found.line else ""
-    return f"{found.filename}:{found.lineno}{code}"
+    return None if found is None else f"{found.filename}:{found.lineno} (`{found.line.strip()}`)"
 
 
 def _model_facing(filename: str) -> bool:
     """Whether a frame of ``filename`` is the model's (its own code, a library it is built with,
     ``torch.nn``) rather than the tracing machinery's (torch, magis, Python's own library)."""
+    if filename.startswith("<eval_with_key>"):  # code torch.fx generated while tracing
+        return False
     path = os.path.abspath(filename)
     if _under(path, os.path.join(_TORCH, "nn")):
-        return True
+        return path != os.path.join(_TORCH, "nn", "modules", "module.py")  # but the call machinery
     if _under(path, _TORCH) or _under(path, _MAGIS):
         return False
     return _under(path, _PATHS["purelib"]) or _under(path, _PATHS["platlib"]) or not _under(path, _PATHS["stdlib"])
