@@ -130,6 +130,25 @@ def test_a_causal_lm_trains_on_a_dict_batch_with_labels_and_no_wrapper():
         plan({"input_ids": ids[0][:, :8], "labels": ids[0][:, 1:9]})
 
 
+def test_an_encoder_decoder_with_one_embedding_tied_three_ways_trains_like_eager():
+    """T5 shares one embedding between its encoder, its decoder and its head: the tied-gradient
+    rule sums two terms into the head's (planning any T5 failed before)."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=2, vocab_size=200, decoder_start_token_id=0, pad_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config).double()
+    twin = copy.deepcopy(model)
+    batches = [
+        {"input_ids": torch.randint(1, 200, (4, 12)), "labels": torch.randint(1, 200, (4, 10))} for _ in range(3)
+    ]
+    plan = magis.optimize(model, batches[0], **SEARCH)
+    assert plan.report().verified
+    expected = adamw(eager(twin), twin, batches)
+    assert adamw(planned(plan), model, batches) == pytest.approx(expected, rel=1e-12)
+    assert_same_state(model, twin)
+
+
 def test_an_encoder_classifier_trains_on_a_dict_batch_with_a_padding_mask():
     config = transformers.BertConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64, num_labels=3
