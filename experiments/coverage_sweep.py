@@ -7,6 +7,7 @@ results go to results/coverage.json and a markdown table results/coverage.md.
     python experiments/coverage_sweep.py                     # the full sweep (about an hour on 2 cores)
     python experiments/coverage_sweep.py --sample            # the CI sample: distinct op sets, a few minutes
     python experiments/coverage_sweep.py --only Bert,T5      # class names containing any of these
+    python experiments/coverage_sweep.py --plan              # each passing one also planned and its plan run
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from yardstick.coverage import (
 )
 
 
-def _child(arch: Architecture, queue: multiprocessing.Queue) -> None:
-    queue.put(check(arch))
+def _child(arch: Architecture, plan: bool, queue: multiprocessing.Queue) -> None:
+    queue.put(check(arch, plan=plan))
 
 
 @dataclass
@@ -46,7 +47,7 @@ class _Running:
     deadline: float
 
 
-def check_isolated(chosen: list[Architecture], timeout: float, jobs: int) -> Iterator[Verdict]:
+def check_isolated(chosen: list[Architecture], timeout: float, jobs: int, plan: bool = False) -> Iterator[Verdict]:
     """:func:`check` each architecture in a forked child, ``jobs`` at a time, in any order; a
     child that overruns ``timeout`` is killed (``timed out``), one that dies says so (``wrong``)."""
     context = multiprocessing.get_context("fork")
@@ -54,7 +55,7 @@ def check_isolated(chosen: list[Architecture], timeout: float, jobs: int) -> Ite
     while waiting or running:
         while waiting and len(running) < jobs:
             arch, queue = waiting.pop(0), context.Queue()
-            child = context.Process(target=_child, args=(arch, queue))
+            child = context.Process(target=_child, args=(arch, plan, queue))
             child.start()
             running.append(_Running(arch, child, queue, time.monotonic() + timeout))
         time.sleep(0.2)
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated parts of class names to keep")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture (default 120)")
     parser.add_argument("--jobs", type=int, default=1, help="architectures checked at once (default 1)")
+    parser.add_argument("--plan", action="store_true", help="also plan each passing one and run the plan beside eager")
     parser.add_argument("--out", default="results/coverage", help="path prefix of the .json and .md written")
     args = parser.parse_args()
 
@@ -91,7 +93,7 @@ def main() -> None:
         chosen = [a for a in chosen if any(p in a.class_name for p in parts)]
     verdicts = []
     with tqdm(total=len(chosen), desc="coverage", unit="model", file=sys.stderr) as bar:
-        for verdict in check_isolated(chosen, args.timeout, args.jobs):
+        for verdict in check_isolated(chosen, args.timeout, args.jobs, args.plan):
             verdicts.append(verdict)
             bar.update()
             summary = Summary(verdicts)

@@ -34,18 +34,20 @@ def test_shrink_makes_a_default_configuration_small():
 
 @pytest.fixture(scope="module")
 def sample() -> list[Verdict]:
-    return [check(a) for a in architectures() if a.name in SAMPLE]
+    return [check(a, plan=True) for a in architectures() if a.name in SAMPLE]
 
 
 def test_the_sample_trains_like_eager(sample: list[Verdict]):
-    """Every sampled architecture passes all three checks: captured, the same gradients as
-    eager PyTorch's for the same parameters, simulated peak = measured peak."""
+    """Every sampled architecture passes all four checks: captured, the same gradients as
+    eager PyTorch's for the same parameters, simulated peak = measured peak, and the plan a
+    user gets within 10% more time runs with eager's gradients."""
     summary = Summary(sample)
     assert summary.count("wrong") == 0, summary.causes("wrong")
     assert summary.count("pass") == len(sample), {v.architecture: v.cause for v in sample if v.status != "pass"}
     for verdict in sample:
         assert verdict.missing_gradients == verdict.extra_gradients == []
         assert abs(verdict.simulated_peak_bytes - verdict.measured_peak_bytes) <= 0.02 * verdict.measured_peak_bytes
+        assert verdict.plan_grad_error is not None and verdict.plan_peak_ratio <= 1.0 + 1e-9
 
 
 def test_an_unsupported_construct_is_refused_with_its_cause():

@@ -19,6 +19,11 @@ one :class:`Verdict`:
   cause (grouped by :func:`cause_of`).
 - ``wrong``: captured, but a gradient is missing, extra or different, or the peak
   is off: the failures that must never happen.
+
+With ``plan=True`` a passing architecture is also planned as a user would plan it
+(:func:`magis.optimize` within :data:`PLAN_SEARCH`'s latency limit, a short search) and the
+plan called once beside eager: a search that fails, or a plan whose gradients differ from
+eager's, is ``wrong`` too (a rule the search applies to that model breaks it).
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from magis.api import measure_against_eager
-from magis.backend.eager import GRADIENT_TOLERANCE
+from magis.api import measure_against_eager, optimize
+from magis.backend.eager import GRADIENT_TOLERANCE, compare_gradients
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import CaptureError, capture
 from magis.models.workloads import HFTask, transformers_module
 
 #: largest relative difference of simulated to measured peak that counts as equal
 PEAK_TOLERANCE = 0.02
+#: the search a plan of :func:`check` (``plan=True``) gets: the default limit, few states
+PLAN_SEARCH: dict[str, Any] = {"latency_limit": 1.10, "max_states": 8, "time_budget": 10.0, "device": "h200"}
 #: a small configuration above this many parameters is not small: not built
 MAX_PARAMETERS = 20_000_000
 
@@ -165,6 +172,8 @@ class Verdict:
     seconds: float = 0.0
     ops: list[str] = field(default_factory=list)  # the distinct operators of the captured step
     dtype: str = ""  # of parameters and float inputs: float64, or float32 where eager needs it
+    plan_peak_ratio: float | None = None  # with plan=True: the plan's peak over the captured step's
+    plan_grad_error: float | None = None  # its gradients against eager's
 
     @property
     def counted(self) -> bool:
@@ -308,8 +317,9 @@ def _build_diffusers(class_name: str) -> tuple[nn.Module, tuple[torch.Tensor, ..
     return _DenoisingLoss(model, ()).train(), (image, torch.randn_like(image))
 
 
-def check(arch: Architecture, seed: int = 0) -> Verdict:
-    """Build, train eagerly, then capture and run with magis: one :class:`Verdict`."""
+def check(arch: Architecture, seed: int = 0, plan: bool = False) -> Verdict:
+    """Build, train eagerly, then capture and run with magis (and, with ``plan``, plan and run
+    the plan): one :class:`Verdict`."""
     start = time.perf_counter()
     verdict = Verdict(arch.name, arch.task, "not built")
     for dtype in GRADIENT_TOLERANCE:  # float64 first; float32 where a kernel has no float64
@@ -355,7 +365,31 @@ def check(arch: Architecture, seed: int = 0) -> Verdict:
         verdict.status, verdict.cause = "wrong", f"simulated peak off the measured one by {peak_error:.1%}"
     else:
         verdict.status = "pass"
+        if plan:
+            _check_plan(verdict, model, inputs, seed, GRADIENT_TOLERANCE[dtype])
     return _timed(verdict, start)
+
+
+def _check_plan(verdict: Verdict, model: nn.Module, inputs: tuple, seed: int, tolerance: float) -> None:
+    """The plan a user gets (:data:`PLAN_SEARCH`), called once beside eager from ``seed``."""
+    torch.manual_seed(seed)
+    model(*inputs).backward()
+    expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    try:
+        planned = optimize(model, inputs, progress=False, **PLAN_SEARCH)
+        torch.manual_seed(seed)
+        planned(*inputs)
+    except Exception as err:  # the capture passed: whatever fails now is the search's or the plan's
+        verdict.status, verdict.cause = "wrong", f"plan: {type(err).__name__}: {_first_line(err)}"
+        return
+    got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    comparison = compare_gradients(expected, got)
+    verdict.plan_peak_ratio, verdict.plan_grad_error = planned.report().peak_ratio, comparison.max_error
+    if not comparison.same_names or not comparison.max_error <= tolerance:
+        verdict.status = "wrong"
+        verdict.cause = f"plan: gradients differ from eager's: {comparison.describe()}"
 
 
 def choose_sample(verdicts: list[Verdict], size: int) -> list[str]:
@@ -454,13 +488,17 @@ class Summary:
             "",
             "## every architecture",
             "",
-            "| architecture | status | nodes | max grad error | simulated / measured peak | cause |",
-            "|---|---|---|---|---|---|",
+            "| architecture | status | nodes | max grad error | simulated / measured peak "
+            "| plan: peak ratio, grad error | cause |",
+            "|---|---|---|---|---|---|---|",
         ]
         for v in self.verdicts:
             peak = f"{v.simulated_peak_bytes} / {v.measured_peak_bytes}" if v.measured_peak_bytes else ""
             error = f"{v.max_grad_error:.1e}" if v.max_grad_error is not None else ""
-            lines.append(f"| {v.architecture} | {v.status} | {v.nodes or ''} | {error} | {peak} | {_cell(v.cause)} |")
+            plan = f"{v.plan_peak_ratio:.3f}, {v.plan_grad_error:.1e}" if v.plan_grad_error is not None else ""
+            lines.append(
+                f"| {v.architecture} | {v.status} | {v.nodes or ''} | {error} | {peak} | {plan} | {_cell(v.cause)} |"
+            )
         return "\n".join(lines) + "\n"
 
 
