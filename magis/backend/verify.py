@@ -158,7 +158,7 @@ def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserS
         if comparison.same_names and largest > tolerance and on_cuda(model):
             noise = compare_steps(_against_eager_again(graph, model, batch, step, seed, both), precision)
         if comparison.same_names and largest > tolerance and precision is not torch.float64:
-            truth = _against_float64(graph, model, batch, step, seed, both, precision)
+            truth = _against_float64(graph, model, batch, step, seed, both, precision, tolerance)
     inference = graph.signature.inference
     what = "outputs and buffer updates" if inference else "loss, gradients and buffer updates"
     if comparison.same_names and largest <= tolerance:
@@ -253,7 +253,14 @@ def _against_eager_again(
 
 
 def _against_float64(
-    graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int, both: BothSteps, precision: torch.dtype
+    graph: Graph,
+    model: torch.nn.Module,
+    batch: Any,
+    step: UserStep,
+    seed: int,
+    both: BothSteps,
+    precision: torch.dtype,
+    tolerance: float,
 ) -> tuple[tuple[float, GradientComparison], tuple[float, GradientComparison]] | None:
     """Eager's and the graph's distance to eager's step on a float64 copy of the model and
     batch (autocast leaves float64 alone): ``(eager's, the graph's)``, each as
@@ -288,7 +295,6 @@ def _against_float64(
         before,
         after,
     )
-    tolerance = GRADIENT_TOLERANCE.get(precision, GRADIENT_TOLERANCE[torch.float32])
     loss, overall = compare_steps(eager, precision, noise_floor=1.0)
     if not overall.same_names or not _largest(loss, overall) <= tolerance:
         return None
