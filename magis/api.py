@@ -19,7 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from magis.backend.eager import compare_gradients
-from magis.backend.runtime import Runtime, StepRunner
+from magis.backend.runtime import Runtime, StepRunner, broken_divisor
 from magis.backend.verify import Verification, forked_rng, run_both, verify_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
@@ -31,6 +31,7 @@ from magis.frontend.optimizer import unplanned_reason, with_optimizer
 from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, user_model
 from magis.ir.graph import Graph
 from magis.plan import InfeasibleLimit, Plan
+from magis.rules.output_backward import batch_norms_from_outputs
 from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, m_optimize
 
 #: latency limit (ratio to the captured step) when neither limit is given
@@ -300,7 +301,10 @@ def optimize(
                 f"memory limit {_mib(objective.memory_bytes)} is below the floor of this step, "
                 f"{_mib(floor)} (weights, buffers, inputs, optimizer states, gradients or outputs returned)"
             )
-        result = m_optimize(graph, objective, latency_model, time_budget, max_states, progress=progress)
+        left_out = () if fake else _choices_the_weights_break(graph, model)
+        result = m_optimize(
+            graph, objective, latency_model, time_budget, max_states, progress=progress, left_out=left_out
+        )
     best = result.best
     plan = Plan(
         model=model,
@@ -455,3 +459,16 @@ def _mib(n: int) -> str:
 def _local_device(model: torch.nn.Module) -> str:
     param = next(model.parameters())
     return "cuda" if param.device.type == "cuda" else "cpu"
+
+
+def _choices_the_weights_break(graph: Graph, model: torch.nn.Module) -> tuple[str, ...]:
+    """The M-Rules whose assumptions ``model``'s weights break now: ``batch-norm-from-output``
+    where a weight it would divide by is zero or small beside its bias
+    (:func:`~magis.backend.runtime.broken_divisor`)."""
+    rewrites = batch_norms_from_outputs(graph)
+    if not rewrites:
+        return ()
+    signature = rewrites[0].graph.signature
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    tensors = {node: parameters[name].detach() for node, name in signature.parameters.items() if name in parameters}
+    return ("batch-norm-from-output",) if broken_divisor(rewrites[0].graph, tensors) is not None else ()

@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from magis.api import optimize
+from magis.backend.runtime import DivisorError
 from magis.backend.verify import forked_rng
 from magis.cost.timing_cache import default_cache_path
 from magis.frontend.capture import capture
@@ -103,7 +104,13 @@ class PlannedStep:
         optimizer, the parameters updated."""
         args = _batch(batch)
         plan = self._plan_of(args)
-        return plan(args) if isinstance(args, Mapping) else plan(*args)
+        try:
+            return _run(plan, args)
+        except DivisorError as err:  # the weights broke a choice the plan made (raised as it binds: nothing ran)
+            warnings.warn(f"magis: planning again, {err}", stacklevel=2)
+            key = signature(self.model, args)
+            self.plans[key] = self._searched(args, self._path(args, key))
+            return _run(self.plans[key], args)
 
     def plan_for(self, *batch: Any) -> Plan:
         """The plan that runs ``batch`` (given as to the step), made or read on first sight."""
@@ -122,13 +129,7 @@ class PlannedStep:
 
     def _made_or_read(self, batch: tuple | Mapping, key: tuple) -> Plan:
         """The plan of a signature not in memory: read from ``cache_dir``, else searched and written there."""
-        step = {"loss_fn": self.step.loss_fn, "training_step": self.step.training_step}
-        with forked_rng(self.model):  # the caller's random stream stays eager's
-            graph = capture(self.model, batch, **step)
-        options = self.options
-        if self.optimizer is not None:
-            options = dict(options, optimizer=update_structure(self.optimizer))
-        path = self.cache_dir / f"{file_key(graph, key, options)}.plan"
+        path = self._path(batch, key)
         if path.exists():
             try:
                 plan = load_plan(path, self.model, self.optimizer)
@@ -139,13 +140,33 @@ class PlannedStep:
                 plan.runtime = "compiled" if self.options.get("compile") else "generated"
                 plan.cuda_graphs = self.options.get("cuda_graphs", True)
                 return plan
-        plan = optimize(self.model, batch, **step, **self.options, optimizer=self.optimizer)
+        return self._searched(batch, path)
+
+    def _path(self, batch: tuple | Mapping, key: tuple) -> Path:
+        """Where the plan of ``batch``'s signature ``key`` is kept (:func:`file_key` of its captured step)."""
+        with forked_rng(self.model):  # the caller's random stream stays eager's
+            graph = capture(self.model, batch, **self._step())
+        options = self.options
+        if self.optimizer is not None:
+            options = dict(options, optimizer=update_structure(self.optimizer))
+        return self.cache_dir / f"{file_key(graph, key, options)}.plan"
+
+    def _searched(self, batch: tuple | Mapping, path: Path) -> Plan:
+        """A plan searched by :func:`magis.optimize`, written to ``path`` (over what was there)."""
+        plan = optimize(self.model, batch, **self._step(), **self.options, optimizer=self.optimizer)
         self.searches += 1
         try:
             plan.save(path)
         except (OSError, ValueError) as err:  # the step still runs; only the next process searches again
             warnings.warn(f"magis: could not keep the plan in {path}: {err}", stacklevel=3)
         return plan
+
+    def _step(self) -> dict[str, Any]:
+        return {"loss_fn": self.step.loss_fn, "training_step": self.step.training_step}
+
+
+def _run(plan: Plan, batch: tuple | Mapping) -> Any:
+    return plan(batch) if isinstance(batch, Mapping) else plan(*batch)
 
 
 def _batch(batch: tuple) -> tuple | Mapping:

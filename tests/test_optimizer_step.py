@@ -31,7 +31,11 @@ class DropoutMLP(nn.Module):
 class ConvBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+        # no bias before batch norm, which removes it: its exact gradient is 0, its value rounding, and
+        # Adam's update of a rounding-level gradient is the learning rate times its sign
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3)
+        )
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +133,9 @@ def test_ten_steps_equal_eager(workload: str, kind: str) -> None:
     )
     report = plan.report()
     assert report.optimizer["in_plan"]
-    exact = not report.transformations["fission"]
+    # a fissioned plan sums gradients over its parts, a batch norm's backward from its output
+    # (magis.rules.output_backward) normalises again from the output: other rounding
+    exact = not report.transformations["fission"] and not plan.graph.signature.divided_by
     for i in range(STEPS):
         torch.manual_seed(i)
         loss = plan(*batch)

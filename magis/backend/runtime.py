@@ -32,8 +32,18 @@ RUNTIMES: tuple[Runtime, ...] = ("generated", "interpreted")
 StepRunner = Callable[[dict[str, Any]], dict[str, Any]]
 
 
+#: a batch norm's backward taken from its output divides by the weight (``Signature.divided_by``,
+#: :mod:`magis.rules.output_backward`), magnifying the output's rounding ``|bias / weight|`` times:
+#: the step runs while every channel's ``|bias| < DIVISOR_RATIO * |weight|`` (a zero weight never)
+DIVISOR_RATIO = 1024.0
+
+
 class RuntimeBindError(ValueError):
     """The module or inputs do not match the captured graph."""
+
+
+class DivisorError(RuntimeBindError):
+    """A weight the step divides by breaks the bound the step holds under (:data:`DIVISOR_RATIO`)."""
 
 
 @dataclass
@@ -97,7 +107,33 @@ def bind(
             )
         env[node] = value.detach() if isinstance(value, torch.Tensor) else value
     env.update(bound_optimizer_inputs(graph, model, optimizer))
+    broken = broken_divisor(graph, env)
+    if broken is not None:
+        raise DivisorError(broken)
     return env
+
+
+def broken_divisor(graph: Graph, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why the weights the step divides by (``graph.signature.divided_by``), bound by node in
+    ``tensors``, break :data:`DIVISOR_RATIO`, naming the first; None where none does (one
+    device synchronisation for them all)."""
+    pairs = graph.signature.divided_by
+    if not pairs:
+        return None
+    within = [(tensors[bias].abs() < DIVISOR_RATIO * tensors[weight].abs()).all() for weight, bias in pairs]
+    if bool(torch.stack(within).all()):
+        return None
+    weight, bias = pairs[[bool(w) for w in within].index(False)]
+    w, b = tensors[weight].detach(), tensors[bias].detach()
+    channel = int((b.abs() >= DIVISOR_RATIO * w.abs()).nonzero()[0, 0])
+    name = graph.signature.parameters.get(weight, weight)
+    return (
+        f"the plan takes the backward of the batch norm whose weight is {name!r} from its output "
+        f"(MONeT's choice for batch norm before ReLU), dividing by that weight, which holds while every "
+        f"channel's |bias| < {DIVISOR_RATIO:g} x |weight|: channel {channel} has weight {float(w[channel]):.3g} "
+        f"and bias {float(b[channel]):.3g} now. Plan the step again: magis.optimize leaves this choice "
+        "out where the weights break it (magis.planned does so by itself)"
+    )
 
 
 def bind_arguments(node: Node, value: Callable[[str], Any], device: torch.device) -> tuple[tuple, dict[str, Any]]:

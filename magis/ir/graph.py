@@ -221,6 +221,9 @@ class Signature:
     optimizer: str = ""  # input node bound to the optimizer whose update the graph holds, if any
     optimizer_states: dict[str, tuple[str, str]] = field(default_factory=dict)  # input node -> (parameter, key)
     results: tuple[str, ...] = ()  # an inference step's output tensors, in order (it has no loss)
+    #: (weight, bias) input nodes of batch norms whose backward the step takes from their output,
+    #: dividing by the weight (magis.rules.output_backward): checked each time the step binds
+    divided_by: tuple[tuple[str, str], ...] = ()
 
     @property
     def inference(self) -> bool:

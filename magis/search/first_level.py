@@ -31,7 +31,7 @@ from magis.ir.graph import Graph
 from magis.rules.compact import bit_mask_proposals, packed_masks
 from magis.rules.early_update import early_updates
 from magis.rules.fission import FissionRegion
-from magis.rules.output_backward import backward_from_outputs
+from magis.rules.output_backward import backward_from_outputs, batch_norms_from_outputs
 from magis.rules.rewrite import Rewrite, Timeline
 from magis.rules.tied_gradient import tied_gradient_rewrites
 from magis.search.ledger import Ledger
@@ -102,6 +102,9 @@ class FirstLevel:
         ledger.consider(separable, push=True)
         if "backward-from-output" in self.rules:  # the same values from fewer saved tensors
             separable = self._as_base(separable, "backward-from-output", backward_from_outputs(separable.base))
+        if "batch-norm-from-output" in self.rules:  # saves the output alone, recomputing the activation
+            rewrites = batch_norms_from_outputs(separable.base, separable.base_order)
+            separable = self._as_base(separable, "batch-norm-from-output", rewrites)
         if "tied-gradient" in self.rules:  # exact; where the sum is the peak nothing else lowers it
             rewrites = tied_gradient_rewrites(separable.base, separable.base_order)
             separable = self._as_base(separable, "tied-gradient", rewrites)

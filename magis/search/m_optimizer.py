@@ -83,10 +83,12 @@ def m_optimize(
     rule_names: Sequence[str] | None = None,
     levels: int = DEFAULT_LEVELS,
     progress: bool = True,
+    left_out: Sequence[str] = (),
 ) -> SearchResult:
     """Algorithm 3 on the captured step ``graph`` (module docstring). By default every
-    registered rule takes part, but swapping only on a device with memory of its own."""
-    active = rules(rule_names)
+    registered rule takes part, but swapping only on a device with memory of its own;
+    never those ``left_out``."""
+    active = tuple(r for r in rules(rule_names) if r.name not in left_out)
     if rule_names is None and not has_device_memory(cost_model):
         active = tuple(r for r in active if r.name not in DEVICE_ONLY_RULES)
     if time_budget <= 0:
