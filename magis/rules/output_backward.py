@@ -19,7 +19,9 @@ invstd``, which is ``(z - bias) / weight``: the backward kernel given ``z`` as i
 as the weight computes the same formula (``dweight = sum(dz * xhat)``, ``dbias = sum(dz)``,
 ``dy = weight * invstd * (dz - mean(dz) - xhat * mean(dz * xhat))``) without a temporary
 the size of ``y``. Saving ``z`` alone (``r = relu(z)`` is recomputed, a pointwise op, by
-:mod:`magis.rules.remat` where that pays) is MONeT's choice for BN-ReLU. It rounds
+:mod:`magis.rules.remat` where that pays) is MONeT's choice for BN-ReLU; before an
+activation whose backward reads its input (SiLU, GELU, hardswish) ``z`` is saved already,
+and the batch norm's ``y`` goes. It rounds
 differently (relative 1e-16 in float64, 1e-7 in float32) and it divides by the weight:
 the step holds only while every channel's ``|bias| < DIVISOR_RATIO * |weight|``
 (the rounding of ``z`` is magnified ``|bias / weight|`` times; a zero weight loses
@@ -35,7 +37,7 @@ from dataclasses import replace
 
 import torch
 
-from magis.ir.graph import Graph, Node, Ref
+from magis.ir.graph import Graph, Node, Ref, Role
 from magis.rules.builder import NodeBuilder
 from magis.rules.rewrite import Rewrite, prune_dead
 
@@ -105,21 +107,24 @@ def _readers(graph: Graph, name: str) -> list[str]:
 
 
 def _activation_backwards(graph: Graph, output: str) -> list[str] | None:
-    """The backwards of the one ReLU or ReLU6 that reads ``output`` (each reading ``output``, the
-    activation's result or a copy of either: they ask only where ``output`` lies), or None."""
+    """The backwards to make read ``output``: those of the one ReLU or ReLU6 that reads it (each
+    reading ``output``, the activation's result or a copy of either: they ask only where
+    ``output`` lies); ``[]`` where another backward reads ``output`` already (SiLU's, GELU's,
+    hardswish's read their input); None where no backward would read it (nothing to gain)."""
     activations = [r for r in graph.successors[output] if graph[r].target in (aten.relu.default, aten.hardtanh.default)]
-    if len(activations) != 1:
-        return None
-    activation = graph[activations[0]]
-    if activation.target is aten.relu.default:
-        backward, bounds = aten.threshold_backward.default, (0,)
-    elif len(activation.args) == 3 and activation.args[1] < activation.args[2]:
-        backward, bounds = aten.hardtanh_backward.default, tuple(activation.args[1:])
-    else:
-        return None
-    readers = _readers(graph, output) + _readers(graph, activation.name)
-    found = [r for r in readers if graph[r].target is backward and tuple(graph[r].args[2:]) == bounds]
-    return found or None
+    found: list[str] = []
+    if len(activations) == 1:
+        activation = graph[activations[0]]
+        if activation.target is aten.relu.default:
+            backward, bounds = aten.threshold_backward.default, (0,)
+        else:  # ReLU6 and other clamps
+            backward, bounds = aten.hardtanh_backward.default, tuple(activation.args[1:])
+        if activation.target is aten.relu.default or (len(bounds) == 2 and bounds[0] < bounds[1]):
+            readers = _readers(graph, output) + _readers(graph, activation.name)
+            found = [r for r in readers if graph[r].target is backward and tuple(graph[r].args[2:]) == bounds]
+    if found or any(graph[r].role is Role.BACKWARD for r in _readers(graph, output)):
+        return found
+    return None
 
 
 def _batch_norm_forward(graph: Graph, backward: Node) -> tuple[Node, str] | None:
@@ -138,7 +143,8 @@ def _batch_norm_forward(graph: Graph, backward: Node) -> tuple[Node, str] | None
 
 def batch_norms_from_outputs(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
     """The M-Rule: every training batch norm followed by a ReLU (or ReLU6) has its backward and
-    the activation's read the batch norm's output (module docstring), in one rewrite; the
+    the activation's read the batch norm's output (module docstring), as does every one whose
+    output a backward reads already (before SiLU, GELU, hardswish), in one rewrite; the
     weights divided by are recorded in ``signature.divided_by``. Only float32/float64 outputs
     (a narrower one's rounding would be magnified by the division) and weights that are the
     module's parameters (bound, and so checked, at each step). The rewrite's order is ``order``
