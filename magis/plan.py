@@ -63,8 +63,10 @@ PLAN_RUNTIMES: tuple[PlanRuntime, ...] = (*RUNTIMES, "compiled")
 class PlanReport:
     """What :meth:`Plan.report` returns; :meth:`to_dict` is its JSON form.
 
-    ``transformations`` lists the fissioned regions, the recomputed and swapped tensors
-    and every step of the search's path; ``search`` its statistics. ``verified``: the
+    ``transformations`` lists the fissioned regions, the recomputed and swapped tensors,
+    the batch norm weights the step divides by (each call checks them:
+    :class:`~magis.backend.runtime.DivisorError`) and every step of the search's path;
+    ``search`` its statistics. ``verified``: the
     captured step was checked against eager PyTorch before the search (``verification``
     says what was found, or why it was not checked: ``verify=False``, a model on fake
     or meta tensors).
@@ -248,6 +250,7 @@ class Plan:
                 "fission": best.regions(),
                 "recomputed": [r["description"] for r in rewrites if r["rule"] == "remat"],
                 "swapped": [r["description"] for r in rewrites if r["rule"] == "swap"],
+                "divides_by": [self.graph.signature.parameters[w] for w, _ in self.graph.signature.divided_by],
                 "steps": rewrites,
             },
             search={

@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         transformations = report.pop("transformations")
         report["fission"] = transformations["fission"]
+        if transformations["divides_by"]:  # batch norms from their outputs: the list is in --json
+            report["divides_by"] = f"{len(transformations['divides_by'])} batch norm weights (checked at each call)"
         report["steps"] = [f"{s['rule']}: {s['description']}" for s in transformations["steps"]]
     emit(report, args.json)
     return 0
