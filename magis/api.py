@@ -25,7 +25,7 @@ from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.cost.workspace import measure_workspaces, with_workspaces
 from magis.frontend.capture import capture, capture_forward, capture_timed
-from magis.frontend.conditions import Conditions, warn_if_evaluating
+from magis.frontend.conditions import Conditions, refuse_gradient_hooks, warn_if_evaluating
 from magis.frontend.grad_seed import with_grad_seed
 from magis.frontend.optimizer import unplanned_reason, with_optimizer
 from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, user_model
@@ -276,7 +276,8 @@ def optimize(
     latency_model = cost_model(device, estimate_unseen=True, progress=progress, fused=compile)
     if not inference:
         warn_if_evaluating(model)
-    conditions = Conditions.of(model)
+        refuse_gradient_hooks(model)  # before the check runs eager's step, which would fire them
+        spec.refuse_gradients(batch)
     output_spec = None
     with forked_rng(model):
         torch.manual_seed(seed)
@@ -289,6 +290,7 @@ def optimize(
             graph, grad_seed = with_grad_seed(captured, device_of_seed)
         graph = _with_device_workspaces(graph, model, fake)
         verification = _verification(graph, model, batch, step, seed, verify)
+        conditions = Conditions.of(model, gradients=not inference)  # as the capture and the check left it
         if optimizer is not None and unplanned_reason(optimizer) is None:
             graph = with_optimizer(graph, optimizer, model, max_grad_norm, on_cuda=device != "cpu")
         order = [n.name for n in graph.nodes]

@@ -17,9 +17,10 @@ generator in eager's order, so a seeded plan reproduces a seeded eager step.
 ``scaler.update()`` work unchanged; the loss returned is unscaled.
 
 A plan runs the step it was made for and refuses, before anything runs, a call that
-differs: another batch structure, shape or dtype (:class:`~magis.frontend.step.BatchSpec`),
-a submodule in another train/eval mode or another autocast state
-(:class:`~magis.frontend.conditions.Conditions`).
+differs: another batch structure, shape or dtype, or a batch tensor that requires grad
+(:class:`~magis.frontend.step.BatchSpec`); a submodule in another train/eval mode, of
+another class or settings, or with other hooks; a parameter frozen or unfrozen; another
+autocast state (:class:`~magis.frontend.conditions.Conditions`).
 
 The figures are simulated (MAGIS §5): ``peak_bytes`` and ``latency_s`` of the plan,
 ``baseline_peak_bytes`` and ``baseline_latency_s`` of the captured step in its
@@ -124,7 +125,7 @@ class Plan:
     baseline: Graph = field(repr=False)  # the captured step, run in its node order
     cost_model: CostModel = field(repr=False)
     batch: BatchSpec = field(repr=False)  # the example batch's structure, shapes and dtypes
-    conditions: Conditions = field(repr=False)  # modes and autocast at capture
+    conditions: Conditions = field(repr=False)  # the modules, trainability and autocast at capture
     grad_seed: torch.Tensor | None = field(repr=False)  # the backward's seed (magis.frontend.grad_seed)
     verification: Verification  # the captured step against eager, or why it was not checked
     planning_only: bool = False  # the model is on fake or meta tensors
@@ -157,10 +158,12 @@ class Plan:
                 "this plan was made for a model on fake or meta tensors: it needs real weights to run "
                 "(optimize the model with its real parameters)"
             )
-        inputs = self.batch.tensors(self.batch.given(batch))
+        given = self.batch.given(batch)
+        inputs = self.batch.tensors(given)
         self.conditions.check(self.model)
         if self.graph.signature.inference:
             return self._infer(inputs, grad_scale)
+        self.batch.refuse_gradients(given)
         if self.optimizer is not None:
             _check_whole_step(self.model, grad_scale)
         in_plan = self.optimizer if self.graph.signature.optimizer else None

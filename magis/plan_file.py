@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 
 #: the first line of every plan file; the number changes when the layout does
-HEADER = b"magis plan file 1\n"
+HEADER = b"magis plan file 2\n"
 
 #: (shape, dtype, requires_grad) by kind ("parameter", "buffer") and name
 TensorSpecs = dict[tuple[str, str], tuple[tuple[int, ...], str, bool]]

@@ -4,8 +4,8 @@ A DataLoader's last batch is often smaller, and a collator that pads to the long
 sequence of each batch yields another shape almost every time; a :class:`~magis.plan.Plan`
 is made for one shape. ``step = magis.planned(model, ...)`` is a training step that, on
 each batch, finds the plan made for that batch's signature (the structure, shapes,
-dtypes and devices of its tensors, the train/eval mode of every submodule, which
-parameters are trainable, the autocast state) and runs it; a signature seen for the
+dtypes and devices of its tensors, every submodule's mode, class, settings and hooks,
+which parameters are trainable, the autocast state) and runs it; a signature seen for the
 first time is planned by :func:`magis.optimize` with the same limits and search
 options. A byte limit applies to every shape; a fraction is of each shape's own peak.
 
@@ -177,13 +177,13 @@ def _batch(batch: tuple) -> tuple | Mapping:
 def signature(model: torch.nn.Module, batch: tuple | Mapping) -> tuple:
     """What a plan is made for beyond the model's code: the batch's structure and its tensors'
     shapes, dtypes and devices (other values as they are), every submodule's mode and the
-    autocast state (:class:`~magis.frontend.conditions.Conditions`), which parameters are trainable."""
+    autocast state, which parameters are trainable (:class:`~magis.frontend.conditions.Conditions`)."""
     leaves, tree = pytree.tree_flatten(as_batch(batch))
     described = tuple(
         (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in leaves
     )
-    return (tree, described, Conditions.of(model), tuple(p.requires_grad for p in model.parameters()))
+    return (tree, described, Conditions.of(model))
 
 
 def file_key(graph: Graph, signature: tuple, options: dict[str, Any]) -> str:

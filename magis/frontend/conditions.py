@@ -1,10 +1,20 @@
-"""What a captured step was made under beyond its batch: every submodule's train/eval mode and autocast.
+"""What a captured step was made under beyond its batch: the model's modules as they were, and autocast.
 
-Both change the graph a trace records without changing the model's code: dropout and
-batch norm are traced as in training or evaluation, and autocast's casts are traced
-into the graph as ``_to_copy`` ops. A plan runs the graph it was made for, so a call
-under other conditions would silently train another step; :meth:`Conditions.check`
-refuses it, naming what differs (docs/design.md, "The user's side of the contract").
+A trace records what the model's Python did on that call, not the code: every submodule's
+train/eval mode (dropout and batch norm are traced as in training or evaluation), its
+class and its settings (a Dropout's ``p``, a layer's ``scale``), the hooks that ran
+around it, which parameters had gradients, and autocast's casts (traced into the graph
+as ``_to_copy`` ops). A plan runs the graph it was made for, so a call after any of them
+changed (a layer frozen or replaced, a dropout rate annealed, a hook added) would
+silently train another step; :meth:`Conditions.check` refuses it, naming what differs
+(docs/design.md, "The user's side of the contract"). A module's *settings* are its public
+attributes of plain value (numbers, strings, booleans, ``None`` and tuples of them);
+tensors are bound by name at every call, so new weights need no new plan.
+
+A hook on a parameter's gradient (``Tensor.register_hook``, or
+``register_post_accumulate_grad_hook``, the way to step an optimizer inside the backward)
+is not traced: :func:`refuse_gradient_hooks` refuses a model that has one before
+anything runs (an eager check would fire it).
 
 The graph carries autocast's casts itself; it runs with autocast off
 (:func:`autocast_off`), or an op the user computed outside autocast inside an autocast
@@ -17,12 +27,26 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
+from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 
 #: the device types whose autocast state a step records
 AUTOCAST_DEVICES = ("cpu", "cuda")
+#: the kinds of hook a module runs around its forward and backward, by the attribute holding them
+MODULE_HOOKS = {
+    "_forward_pre_hooks": "forward pre-hooks",
+    "_forward_hooks": "forward hooks",
+    "_backward_pre_hooks": "backward pre-hooks",
+    "_backward_hooks": "backward hooks",
+}
+#: torch.nn's hooks on every module (``register_module_forward_hook``...), by the attribute holding them
+GLOBAL_HOOKS = {f"_global{attr}": f"global module {what}" for attr, what in MODULE_HOOKS.items()}
+_PLAIN = (bool, int, float, str, type(None))
+
+#: one module as a step was captured with it: (qualified name, class, training, hooks, settings)
+ModuleRecord = tuple[str, str, bool, tuple[tuple[str, ...], ...], tuple[tuple[str, Any], ...]]
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype | None], ...]:
@@ -33,48 +57,136 @@ def autocast_state() -> tuple[tuple[str, torch.dtype | None], ...]:
     )
 
 
-def module_modes(model: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
-    """``(qualified name, training)`` of the model and every submodule, in ``modules()`` order."""
-    return tuple((name, module.training) for name, module in model.named_modules())
+def _hook_names(hooks: dict) -> tuple[str, ...]:
+    """The hooks' function names: the same in another process, unlike their handles."""
+    return tuple(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks.values())
+
+
+def _is_plain(value: Any) -> bool:
+    return type(value) in _PLAIN or (type(value) is tuple and all(type(item) in _PLAIN for item in value))
+
+
+def module_records(model: torch.nn.Module) -> tuple[ModuleRecord, ...]:
+    """Every submodule of ``model`` as a step sees it, in ``named_modules()`` order (module docstring)."""
+    return tuple(
+        (
+            name,
+            type(module).__qualname__,
+            module.training,
+            tuple(_hook_names(getattr(module, attr)) for attr in MODULE_HOOKS),
+            tuple(
+                (key, value)
+                for key, value in vars(module).items()
+                if key[0] != "_" and key != "training" and _is_plain(value)
+            ),
+        )
+        for name, module in model.named_modules()
+    )
 
 
 @dataclass(frozen=True)
 class Conditions:
-    """The modes and the autocast state a step was captured under."""
+    """The modules, the parameters' trainability and autocast a step was captured under."""
 
-    modes: tuple[tuple[str, bool], ...]
+    modules: tuple[ModuleRecord, ...]
+    #: (name, requires_grad, hooked on its gradient) of every parameter; () for an inference
+    trainable: tuple[tuple[str, bool, bool], ...]
+    global_hooks: tuple[tuple[str, ...], ...]
     autocast: tuple[tuple[str, torch.dtype | None], ...]
 
     @staticmethod
-    def of(model: torch.nn.Module) -> Conditions:
-        """The conditions here and now, for ``model``."""
-        return Conditions(module_modes(model), autocast_state())
-
-    @cached_property
-    def _flags(self) -> tuple[bool, ...]:
-        return tuple(training for _, training in self.modes)
+    def of(model: torch.nn.Module, gradients: bool = True) -> Conditions:
+        """The conditions here and now, for ``model`` (``gradients=False``: an inference, which
+        does not depend on which parameters are trainable)."""
+        trainable = tuple((n, p.requires_grad, _hooked(p)) for n, p in model.named_parameters()) if gradients else ()
+        global_hooks = tuple(_hook_names(getattr(nn_module, attr, {})) for attr in GLOBAL_HOOKS)
+        return Conditions(module_records(model), trainable, global_hooks, autocast_state())
 
     def check(self, model: torch.nn.Module) -> None:
-        """A ``ValueError`` naming the first submodule whose mode differs, or the autocast
-        state that differs, from the ones the step was captured under."""
-        if tuple(m.training for m in model.modules()) != self._flags:  # names only when something differs
-            for (name, training), (recorded_name, recorded) in zip(module_modes(model), self.modes):
-                if name != recorded_name:
-                    break
-                if training != recorded:
-                    raise ValueError(
-                        f"{_module(name)} is in {_mode(training)} mode; the plan was made with it in "
-                        f"{_mode(recorded)} mode (set it back, or optimize again for this mode)"
-                    )
-            raise ValueError("the model has other submodules than the plan was made for")
-        now = autocast_state()
-        for (device, dtype), (_, recorded) in zip(now, self.autocast):
+        """A ``ValueError`` naming the first thing that differs from what the step was captured
+        under: a submodule's mode, class, settings or hooks, a parameter's trainability,
+        torch.nn's global hooks, or the autocast state."""
+        now = Conditions.of(model, gradients=bool(self.trainable))
+        if now != self:
+            refuse_gradient_hooks(model)
+            raise ValueError(self._difference(now))
+
+    def _difference(self, now: Conditions) -> str:
+        for then, ours in zip(self.modules, now.modules):
+            difference = _module_difference(then, ours)
+            if difference:
+                return difference
+        if len(self.modules) != len(now.modules):
+            return "the model has other submodules than the plan was made for (optimize again)"
+        for (name, then, _), (our_name, ours, _) in zip(self.trainable, now.trainable):
+            if name != our_name:
+                break
+            if then != ours:
+                return (
+                    f"parameter {name!r} is {_trainable(ours)}; the plan was made with it {_trainable(then)} "
+                    "(set requires_grad back, or optimize again: magis.planned does so by itself)"
+                )
+        if self.trainable != now.trainable:
+            return "the model has other parameters than the plan was made for (optimize again)"
+        for what, then, ours in zip(GLOBAL_HOOKS.values(), self.global_hooks, now.global_hooks):
+            if then != ours:
+                return f"torch.nn's {what} are {list(ours)}; the plan was made with {list(then)} (optimize again)"
+        for (device, dtype), (_, recorded) in zip(now.autocast, self.autocast):
             if dtype != recorded:
-                raise ValueError(
+                return (
                     f"the plan was made with {_autocast(device, recorded)} and is called with "
                     f"{_autocast(device, dtype)}: call it under the autocast it was optimized under, "
                     "or optimize again"
                 )
+        raise AssertionError("conditions differ in nothing they record")
+
+
+def _module_difference(then: ModuleRecord, now: ModuleRecord) -> str | None:
+    """What differs between a submodule as the step was captured with it and as it is now, or None."""
+    name, kind, training, hooks, settings = now
+    if name != then[0]:
+        return f"the model has other submodules than the plan was made for: {_module(name)} (optimize again)"
+    if kind != then[1]:
+        return f"{_module(name)} is a {kind}; the plan was made with a {then[1]} there (optimize again)"
+    if training != then[2]:
+        return (
+            f"{_module(name)} is in {_mode(training)} mode; the plan was made with it in "
+            f"{_mode(then[2])} mode (set it back, or optimize again for this mode)"
+        )
+    for what, ours, recorded in zip(MODULE_HOOKS.values(), hooks, then[3]):
+        if ours != recorded:
+            return (
+                f"{_module(name)} has {what} {list(ours)}; the plan was made with {list(recorded)}: a plan "
+                "runs the hooks it was captured with (remove them, or optimize again)"
+            )
+    if settings != then[4]:
+        ours, recorded = dict(settings), dict(then[4])
+        key = next(k for k in {**ours, **recorded} if ours.get(k, ...) != recorded.get(k, ...))
+        return (
+            f"{_module(name)} ({kind}) has {key}={ours.get(key, '(unset)')!r}; the plan was made with "
+            f"{key}={recorded.get(key, '(unset)')!r} (set it back, or optimize again)"
+        )
+    return None
+
+
+def _hooked(param: torch.Tensor) -> bool:
+    return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+def refuse_gradient_hooks(model: torch.nn.Module) -> None:
+    """A ``ValueError`` naming the first parameter with a hook on its gradient (module docstring)."""
+    for name, param in model.named_parameters():
+        if param._backward_hooks:
+            raise ValueError(
+                f"parameter {name!r} has a hook on its gradient (Tensor.register_hook), which a plan does not "
+                "run: remove it (a plan leaves the gradient in .grad, where you can change it after the call)"
+            )
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            raise ValueError(
+                f"parameter {name!r} has a post-accumulate-grad hook, which a plan does not run: to step "
+                "the optimizer inside the backward, remove the hooks and give it to magis.optimize(..., "
+                "optimizer=opt), whose plan applies each update as soon as its gradient is ready"
+            )
 
 
 def warn_if_evaluating(model: torch.nn.Module) -> None:
@@ -95,6 +207,10 @@ def autocast_off() -> Iterator[None]:
             if dtype is not None:
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
+
+def _trainable(requires_grad: bool) -> str:
+    return "trainable" if requires_grad else "frozen (requires_grad=False)"
 
 
 def _module(name: str) -> str:

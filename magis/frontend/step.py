@@ -213,6 +213,17 @@ class BatchSpec:
             tensors.append(x.contiguous())
         return tuple(tensors)
 
+    def refuse_gradients(self, batch: Any) -> None:
+        """A ``ValueError`` naming the first tensor of ``batch`` that requires grad: a training
+        plan computes the parameters' gradients, not the batch's (its tensors are detached)."""
+        paths, _ = pytree.tree_flatten_with_path(as_batch(batch))
+        for path, x in paths:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise ValueError(
+                    f"{_name(self.kind, path)} requires grad: a plan computes the parameters' gradients, not "
+                    "the batch's (detach it, or make what computes it part of the model)"
+                )
+
     def rebuild(self, tensors: tuple) -> Any:
         """The batch from its tensors (the graph's inputs), with the constants put back."""
         values = iter(tensors)

@@ -1,0 +1,165 @@
+"""A model changed after planning (docs/design.md, "The user's side of the contract"): a layer
+frozen or replaced, a dropout rate or another setting changed, a hook added. A trace records
+what the model's Python did, so the plan would train the old step: each change is refused,
+naming it, before anything runs; undone, the plan trains as eager does, and ``magis.planned``
+plans the changed model again by itself."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import magis
+
+SEARCH = {"device": "h200", "max_states": 8, "time_budget": 10.0, "progress": False}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+        self.act, self.drop = nn.ReLU(), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.drop(self.act(self.b(self.act(self.a(x))))))
+
+
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(64, 16, dtype=torch.float64), torch.randint(0, 4, (64,))
+
+
+def eager_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    twin = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    step(twin, x, y).backward()
+    return {name: p.grad for name, p in twin.named_parameters() if p.grad is not None}
+
+
+def _freeze(model):
+    model.a.weight.requires_grad_(False)
+    return lambda: model.a.weight.requires_grad_(True)
+
+
+def _replace(model):
+    act = model.act
+    model.act = nn.Tanh()
+    return lambda: setattr(model, "act", act)
+
+
+def _dropout_rate(model):
+    model.drop.p = 0.5
+    return lambda: setattr(model.drop, "p", 0.1)
+
+
+def _forward_hook(model):
+    return model.b.register_forward_hook(lambda module, args, out: 2 * out).remove
+
+
+def _global_hook(model):
+    return nn.modules.module.register_module_forward_hook(lambda module, args, out: None).remove
+
+
+def _gradient_hook(model):
+    return model.b.weight.register_hook(lambda grad: 2 * grad).remove
+
+
+CHANGES = {
+    "frozen": (_freeze, r"parameter 'a.weight' is frozen \(requires_grad=False\); the plan was made with it trainable"),
+    "replaced": (_replace, "submodule 'act' is a Tanh; the plan was made with a ReLU there"),
+    "dropout rate": (_dropout_rate, r"submodule 'drop' \(Dropout\) has p=0.5; the plan was made with p=0.1"),
+    "forward hook": (_forward_hook, r"submodule 'b' has forward hooks \['_forward_hook.<locals>.<lambda>'\]; .* \[\]"),
+    "global hook": (_global_hook, "torch.nn's global module forward hooks are"),
+    "gradient hook": (_gradient_hook, r"parameter 'b.weight' has a hook on its gradient \(Tensor.register_hook\)"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_after_planning_is_refused_naming_it_and_undone_trains_like_eager(change):
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = batch()
+    plan = magis.optimize(model, (x, y), training_step=step, latency_limit=1.5, **SEARCH)
+    make, message = CHANGES[change]
+    undo = make(model)
+    with pytest.raises(ValueError, match=message):
+        plan(x, y)
+    assert all(p.grad is None for p in model.parameters())  # refused before anything ran
+    undo()
+    expected = eager_gradients(model, x, y, seed=3)
+    torch.manual_seed(3)
+    plan(x, y)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[name], rtol=1e-12, atol=1e-14), name
+
+
+def test_optimizer_hooks_in_the_backward_are_refused_before_eagers_check_fires_them():
+    """The optimizer-in-backward recipe (a post-accumulate-grad hook per parameter stepping its
+    own optimizer): the check that runs eager's step would update the weights; it never runs."""
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = batch()
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_in_backward(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"parameter 'a.weight' has a post-accumulate-grad hook.*optimizer=opt"):
+        magis.optimize(model, (x, y), training_step=step, latency_limit=1.5, **SEARCH)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_batch_that_requires_grad_is_refused_naming_it():
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = batch()
+    with pytest.raises(ValueError, match="argument 0 requires grad: a plan computes the parameters' gradients"):
+        magis.optimize(model, (x.requires_grad_(), y), training_step=step, **SEARCH)
+    plan = magis.optimize(model, (x.detach(), y), training_step=step, latency_limit=1.5, **SEARCH)
+    with pytest.raises(ValueError, match="argument 0 requires grad"):
+        plan(x, y)
+
+
+def test_planned_plans_a_layer_frozen_mid_training_again_and_trains_like_eager(tmp_path):
+    """Fine-tuning that freezes the first layer after two steps: the second plan leaves its
+    gradient None, as eager does, and AdamW trains both alike."""
+    torch.manual_seed(0)
+    model = Net().double()
+    twin = copy.deepcopy(model)
+    batches = [batch() for _ in range(4)]
+    step_fn = magis.planned(model, training_step=step, latency_limit=1.5, cache_dir=tmp_path, **SEARCH)
+    for net, run in ((model, step_fn), (twin, lambda x, y: step(twin, x, y).backward())):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        torch.manual_seed(7)
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                net.a.requires_grad_(False)
+            run(x, y)
+            assert (net.a.weight.grad is None) == (i >= 2)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert step_fn.searches == 2
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-10, atol=1e-12), name
+
+
+def test_an_inference_plan_does_not_depend_on_which_parameters_are_trainable():
+    torch.manual_seed(0)
+    model = Net().double().eval()
+    x, _ = batch()
+    plan = magis.optimize(model, (x,), inference=True, latency_limit=1.5, **SEARCH)
+    model.requires_grad_(False)
+    with torch.no_grad():
+        assert torch.equal(plan(x), model(x))
