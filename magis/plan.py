@@ -165,7 +165,7 @@ class Plan:
             return self._infer(inputs, grad_scale)
         self.batch.refuse_gradients(given)
         if self.optimizer is not None:
-            _check_whole_step(self.model, grad_scale)
+            _check_whole_step(self.model, self.optimizer, grad_scale)
         in_plan = self.optimizer if self.graph.signature.optimizer else None
         with seeded(self.grad_seed, grad_scale), autocast_off():
             result = run_program(self.program, self.model, inputs, optimizer=in_plan, runtime=self._runner())
@@ -384,14 +384,16 @@ def optimizer_summary(graph: Graph, order: tuple[str, ...], optimizer: torch.opt
     return summary
 
 
-def _check_whole_step(model: torch.nn.Module, grad_scale: Any) -> None:
-    """A plan that steps the optimizer starts from no gradients and takes no loss scale."""
+def _check_whole_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_scale: Any) -> None:
+    """A plan that steps the optimizer starts from no gradients of the parameters it steps (the
+    others accumulate in ``.grad`` as in eager) and takes no loss scale."""
     if grad_scale is not None:
         raise ValueError(
             "grad_scale goes with a GradScaler, which steps the optimizer itself: optimize without "
             "optimizer= and call scaler.step(optimizer) after the plan"
         )
-    held = next((name for name, p in model.named_parameters() if p.grad is not None), None)
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = next((name for name, p in model.named_parameters() if p.grad is not None and id(p) in stepped), None)
     if held is not None:
         raise ValueError(
             f"{held}.grad holds a gradient: a plan made with optimizer= computes the gradients and "

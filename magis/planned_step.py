@@ -36,7 +36,7 @@ from magis.backend.verify import forked_rng
 from magis.cost.timing_cache import default_cache_path
 from magis.frontend.capture import capture
 from magis.frontend.conditions import Conditions
-from magis.frontend.optimizer import update_structure
+from magis.frontend.optimizer import group_layout
 from magis.frontend.step import LossFn, TrainingStep, UserStep, as_batch, user_model
 from magis.ir.graph import Graph
 from magis.plan import Plan, load_plan
@@ -148,7 +148,8 @@ class PlannedStep:
             graph = capture(self.model, batch, **self._step())
         options = self.options
         if self.optimizer is not None:
-            options = dict(options, optimizer=update_structure(self.optimizer))
+            layout = group_layout(self.optimizer, self.model)
+            options = dict(options, optimizer=(type(self.optimizer).__qualname__, layout))
         return self.cache_dir / f"{file_key(graph, key, options)}.plan"
 
     def _searched(self, batch: tuple | Mapping, path: Path) -> Plan:

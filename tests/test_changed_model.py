@@ -163,3 +163,27 @@ def test_an_inference_plan_does_not_depend_on_which_parameters_are_trainable():
     model.requires_grad_(False)
     with torch.no_grad():
         assert torch.equal(plan(x), model(x))
+
+
+def test_a_param_group_added_to_a_planned_optimizer_is_refused_before_any_update():
+    """Unfreezing by ``add_param_group``: the plan's update holds the groups it was made for,
+    so the new group would not be stepped. Refused as the step binds: no parameter moved."""
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = batch()
+    optimizer = torch.optim.AdamW([*model.a.parameters(), *model.b.parameters()], lr=1e-2)
+    plan = magis.optimize(model, (x, y), training_step=step, optimizer=optimizer, latency_limit=1.5, **SEARCH)
+    plan(x, y)
+    plan(x, y)  # c is not stepped: its gradient accumulates in .grad, as in eager, and refuses nothing
+    assert model.a.weight.grad is None and model.c.weight.grad is not None
+    optimizer.add_param_group({"params": list(model.c.parameters()), "lr": 1e-3})
+    optimizer.zero_grad()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="the optimizer has 2 param groups; the plan was made for 1: optimize again"):
+        plan(x, y)
+    optimizer.param_groups[0]["params"].pop()
+    optimizer.param_groups.pop()
+    with pytest.raises(ValueError, match=r"param group 0 holds other parameters .*removed \['b.bias'\]"):
+        plan(x, y)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

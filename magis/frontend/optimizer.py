@@ -98,19 +98,45 @@ def unplanned_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def update_structure(optimizer: torch.optim.Optimizer) -> tuple:
-    """What of ``optimizer`` shapes a plan's update: its type and, per param group, how many
-    parameters and the options of :data:`_STRUCTURE` (not the learning rate, which a
-    scheduler changes between calls and the update reads at each call)."""
+#: per param group, its parameters' names and the options that shape its update
+GroupLayout = tuple[tuple[tuple[str, ...], tuple[tuple[str, Any], ...]], ...]
+
+
+def group_layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> GroupLayout:
+    """What of ``optimizer`` a planned update is made for: per param group, the names of its
+    parameters in ``model`` and the options of :data:`_STRUCTURE` (SGD's too: whether its
+    momentum is 0). Not the learning rate, betas or weight decay, which a scheduler may change
+    between calls and the update reads at each call."""
     kind = PLANNED_OPTIMIZERS.get(type(optimizer))
-    options = _STRUCTURE.get(kind, ())
-    return (
-        type(optimizer).__qualname__,
-        tuple(
-            (len(g["params"]), tuple(repr(g.get(o)) for o in options), kind == "sgd" and g["momentum"] != 0)
-            for g in optimizer.param_groups
-        ),
+    names = {id(p): name for name, p in model.named_parameters()}
+    return tuple(
+        (
+            tuple(names.get(id(p), "(not the model's)") for p in group["params"]),
+            tuple((option, group.get(option)) for option in _STRUCTURE.get(kind, ()))
+            + ((("momentum is 0", group["momentum"] == 0),) if kind == "sgd" else ()),
+        )
+        for group in optimizer.param_groups
     )
+
+
+def layout_difference(planned: GroupLayout, now: GroupLayout) -> str | None:
+    """What differs between the param groups a plan's update was made for and the optimizer's now, or None."""
+    if len(now) != len(planned):
+        return f"the optimizer has {len(now)} param groups; the plan was made for {len(planned)}: optimize again"
+    for i, ((params, options), (planned_params, planned_options)) in enumerate(zip(now, planned)):
+        if params != planned_params:
+            added = [name for name in params if name not in planned_params]
+            removed = [name for name in planned_params if name not in params]
+            return (
+                f"param group {i} holds other parameters than the plan was made for (added {added}, "
+                f"removed {removed}): optimize again"
+            )
+        for (option, value), (_, planned_value) in zip(options, planned_options):
+            if value != planned_value:
+                return (
+                    f"param group {i}'s {option} is {value!r}; the plan was made for {planned_value!r}: optimize again"
+                )
+    return None
 
 
 @dataclass(frozen=True)
@@ -296,21 +322,8 @@ class BoundOptimizer:
         self.params = params
 
     def group(self, update: ParameterUpdate) -> dict[str, Any]:
-        """The options of ``update``'s group now; an option that shapes the update and changed
-        since the plan was made, or another parameter list, is an :class:`OptimizerError`."""
-        if update.group >= len(self.optimizer.param_groups):
-            raise OptimizerError(f"the optimizer has no param group {update.group}: the plan was made for more")
-        group = self.optimizer.param_groups[update.group]
-        planned = dict(update.options)
-        for option in _STRUCTURE[update.kind]:
-            if group.get(option) != planned.get(option):
-                raise OptimizerError(
-                    f"param group {update.group}'s {option} is {group.get(option)!r}; the plan was made for "
-                    f"{planned.get(option)!r}: optimize again"
-                )
-        if update.kind == "sgd" and (group["momentum"] == 0) != (planned["momentum"] == 0):
-            raise OptimizerError(f"param group {update.group}'s momentum changed to or from 0: optimize again")
-        return group
+        """The options of ``update``'s group now (its layout was checked as the step bound)."""
+        return self.optimizer.param_groups[update.group]
 
     def keep_momentum_buffers(self, names: Sequence[str], buffers: Sequence[torch.Tensor | None]) -> None:
         """SGD's first step makes its momentum buffers: they go into ``optimizer.state`` as eager's do."""
@@ -398,7 +411,13 @@ def with_optimizer(
                 args.append(Ref(state.name))
         added.append(_update_node(graph, kind, i, group, params, keys, tuple(args), on_cuda, norm is not None))
     kept_gradients = {name: node for name, node in sig.gradients.items() if name not in updated}
-    signature = replace(sig, gradients=kept_gradients, optimizer=handle.name, optimizer_states=states)
+    signature = replace(
+        sig,
+        gradients=kept_gradients,
+        optimizer=handle.name,
+        optimizer_states=states,
+        optimizer_groups=group_layout(optimizer, model),
+    )
     outputs = tuple(o for o in graph.outputs if o not in {sig.gradients[name] for name in updated})
     updates = tuple(n.name for n in added if isinstance(n.target, ParameterUpdate))
     extended = graph.replace(add=added)
@@ -470,6 +489,9 @@ def bound_optimizer_inputs(
         return {}
     if optimizer is None:
         raise OptimizerError("this plan holds the optimizer's update: pass the optimizer it was made with")
+    difference = layout_difference(sig.optimizer_groups, group_layout(optimizer, model))
+    if difference is not None:  # before anything runs: an update refused midway would leave half a step
+        raise OptimizerError(difference)
     params = dict(model.named_parameters())
     start_states(optimizer, [params[name] for name, _ in sig.optimizer_states.values()])
     env: dict[str, Any] = {sig.optimizer: BoundOptimizer(optimizer, params)}

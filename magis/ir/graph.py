@@ -220,6 +220,9 @@ class Signature:
     buffer_updates: dict[str, str] = field(default_factory=dict)  # buffer name -> new value node
     optimizer: str = ""  # input node bound to the optimizer whose update the graph holds, if any
     optimizer_states: dict[str, tuple[str, str]] = field(default_factory=dict)  # input node -> (parameter, key)
+    #: per param group, its parameters' names and the options that shape its update, as planned
+    #: (magis.frontend.optimizer.group_layout): checked each time the step binds
+    optimizer_groups: tuple[tuple[tuple[str, ...], tuple[tuple[str, Any], ...]], ...] = ()
     results: tuple[str, ...] = ()  # an inference step's output tensors, in order (it has no loss)
     #: (weight, bias) input nodes of batch norms whose backward the step takes from their output,
     #: dividing by the weight (magis.rules.output_backward): checked each time the step binds
