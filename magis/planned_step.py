@@ -108,7 +108,7 @@ class PlannedStep:
             return _run(plan, args)
         except DivisorError as err:  # the weights broke a choice the plan made (raised as it binds: nothing ran)
             warnings.warn(f"magis: planning again, {err}", stacklevel=2)
-            key = signature(self.model, args)
+            key = signature(self.model, args, self.optimizer)
             self.plans[key] = self._searched(args, self._path(args, key))
             return _run(self.plans[key], args)
 
@@ -117,7 +117,7 @@ class PlannedStep:
         return self._plan_of(_batch(batch))
 
     def _plan_of(self, args: tuple | Mapping) -> Plan:
-        key = signature(self.model, args)
+        key = signature(self.model, args, self.optimizer)
         plan = self.plans.get(key)
         if plan is None:
             plan = self._made_or_read(args, key)
@@ -146,11 +146,7 @@ class PlannedStep:
         """Where the plan of ``batch``'s signature ``key`` is kept (:func:`file_key` of its captured step)."""
         with forked_rng(self.model):  # the caller's random stream stays eager's
             graph = capture(self.model, batch, **self._step())
-        options = self.options
-        if self.optimizer is not None:
-            layout = group_layout(self.optimizer, self.model)
-            options = dict(options, optimizer=(type(self.optimizer).__qualname__, layout))
-        return self.cache_dir / f"{file_key(graph, key, options)}.plan"
+        return self.cache_dir / f"{file_key(graph, key, self.options)}.plan"
 
     def _searched(self, batch: tuple | Mapping, path: Path) -> Plan:
         """A plan searched by :func:`magis.optimize`, written to ``path`` (over what was there)."""
@@ -175,16 +171,19 @@ def _batch(batch: tuple) -> tuple | Mapping:
     return batch[0] if len(batch) == 1 and isinstance(batch[0], Mapping) else batch
 
 
-def signature(model: torch.nn.Module, batch: tuple | Mapping) -> tuple:
+def signature(model: torch.nn.Module, batch: tuple | Mapping, optimizer: torch.optim.Optimizer | None = None) -> tuple:
     """What a plan is made for beyond the model's code: the batch's structure and its tensors'
-    shapes, dtypes and devices (other values as they are), every submodule's mode and the
-    autocast state, which parameters are trainable (:class:`~magis.frontend.conditions.Conditions`)."""
+    shapes, dtypes and devices (other values as they are), every submodule's mode, class,
+    settings and hooks, which parameters are trainable and the autocast state
+    (:class:`~magis.frontend.conditions.Conditions`), and the optimizer's type and param
+    groups (:func:`~magis.frontend.optimizer.group_layout`: a group added is another plan)."""
     leaves, tree = pytree.tree_flatten(as_batch(batch))
     described = tuple(
         (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in leaves
     )
-    return (tree, described, Conditions.of(model))
+    stepped = None if optimizer is None else (type(optimizer).__qualname__, group_layout(optimizer, model))
+    return (tree, described, Conditions.of(model), stepped)
 
 
 def file_key(graph: Graph, signature: tuple, options: dict[str, Any]) -> str:

@@ -187,3 +187,30 @@ def test_a_param_group_added_to_a_planned_optimizer_is_refused_before_any_update
         plan(x, y)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+def test_planned_plans_again_when_a_param_group_is_added_and_trains_like_eager(tmp_path):
+    """Gradual unfreezing as users write it: the head trains first, then the body joins the
+    optimizer through ``add_param_group``; ``magis.planned`` plans the new step by itself."""
+    torch.manual_seed(0)
+    model = Net().double()
+    twin = copy.deepcopy(model)
+    batches = [batch() for _ in range(4)]
+    optimizer = torch.optim.AdamW(model.c.parameters(), lr=1e-2)
+    twin_optimizer = torch.optim.AdamW(twin.c.parameters(), lr=1e-2)
+    step_fn = magis.planned(
+        model, training_step=step, optimizer=optimizer, latency_limit=1.5, cache_dir=tmp_path, **SEARCH
+    )
+    for net, opt, run in (
+        (model, optimizer, step_fn),
+        (twin, twin_optimizer, lambda x, y: (step(twin, x, y).backward(), twin_optimizer.step())),
+    ):
+        torch.manual_seed(7)
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                opt.add_param_group({"params": [*net.a.parameters(), *net.b.parameters()], "lr": 1e-3})
+            opt.zero_grad()
+            run(x, y)
+    assert step_fn.searches == 2
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-10, atol=1e-12), name
