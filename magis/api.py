@@ -24,7 +24,7 @@ from magis.backend.verify import Verification, forked_rng, run_both, verify_step
 from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.cost.workspace import measure_workspaces, with_workspaces
-from magis.frontend.capture import capture, capture_forward, capture_timed
+from magis.frontend.capture import capture_forward, capture_timed
 from magis.frontend.conditions import Conditions, refuse_gradient_hooks, warn_if_evaluating
 from magis.frontend.grad_seed import with_grad_seed
 from magis.frontend.optimizer import unplanned_reason, with_optimizer
@@ -278,16 +278,15 @@ def optimize(
         warn_if_evaluating(model)
         refuse_gradient_hooks(model)  # before the check runs eager's step, which would fire them
         spec.refuse_gradients(batch)
-    output_spec = None
     with forked_rng(model):
         torch.manual_seed(seed)
         if inference:
-            forward = capture_forward(model, batch)
-            graph, grad_seed, output_spec = forward.graph, None, forward.output_spec
+            captured = capture_forward(model, batch)
+            graph, grad_seed = captured.graph, None
         else:
-            captured = capture(model, batch, loss_fn, training_step=training_step)
+            captured = capture_timed(model, batch, loss_fn, training_step=training_step)
             device_of_seed = torch.device("cpu") if fake else next(model.parameters()).device
-            graph, grad_seed = with_grad_seed(captured, device_of_seed)
+            graph, grad_seed = with_grad_seed(captured.graph, device_of_seed)
         graph = _with_device_workspaces(graph, model, fake)
         verification = _verification(graph, model, batch, step, seed, verify)
         conditions = Conditions.of(model, gradients=not inference)  # as the capture and the check left it
@@ -330,7 +329,8 @@ def optimize(
         max_grad_norm=max_grad_norm,
         runtime="compiled" if compile else "generated",
         cuda_graphs=cuda_graphs,
-        output_spec=output_spec,
+        output_spec=captured.output_spec,
+        step_output=captured.step_output,
     )
     if not objective.met_by(best):  # the near miss goes with the error
         raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)

@@ -7,7 +7,8 @@ An inference plan (``optimize(..., inference=True)``) runs the forward alone:
 given to :func:`magis.optimize`) runs one training step with the magis runtime
 (:mod:`magis.backend.runtime`: generated code unless ``plan.runtime`` says otherwise),
 on the model's parameters as they are at that call (an optimizer updates them in
-place between calls): it returns the loss, accumulates each parameter's gradient
+place between calls): it returns the loss (what the user's ``training_step``
+returned: ``(loss, logits)``, ``{"loss": ..., ...}``, the other tensors detached), accumulates each parameter's gradient
 into ``.grad`` as ``loss.backward()`` would, and writes the new BatchNorm statistics
 into the model's buffers as an eager step does. Random ops draw from torch's
 generator in eager's order, so a seeded plan reproduces a seeded eager step.
@@ -49,7 +50,7 @@ from magis.cost.memory import simulate_memory
 from magis.frontend.conditions import Conditions, autocast_off
 from magis.frontend.grad_seed import seeded
 from magis.frontend.optimizer import GradientNorm, ParameterUpdate, unplanned_reason
-from magis.frontend.step import BatchSpec, user_model
+from magis.frontend.step import BatchSpec, StepOutput, user_model
 from magis.ir.graph import Graph
 from magis.plan_file import read_plan_file, write_plan_file
 from magis.search.m_optimizer import Objective, SearchResult
@@ -134,6 +135,7 @@ class Plan:
     runtime: PlanRuntime = "generated"  # how the step runs: one of PLAN_RUNTIMES
     cuda_graphs: bool = True  # on CUDA, replay the step as a CUDA graph (magis.backend.cuda_graph)
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)  # an inference plan's output structure
+    step_output: StepOutput = field(default_factory=StepOutput, repr=False)  # what the training step returns
 
     @cached_property
     def program(self) -> Program:
@@ -186,7 +188,7 @@ class Plan:
                 )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return result.loss
+        return self.step_output.rebuild(result.loss, result.outputs)
 
     def _infer(self, inputs: list[Any], grad_scale: Any) -> Any:
         """An inference plan's step: the model's output, rebuilt from the graph's results."""

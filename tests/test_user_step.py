@@ -102,6 +102,60 @@ def test_labels_reach_the_loss_through_the_users_training_step():
     assert_within_limit(plan, model, batches[0])
 
 
+def logits_and_accuracy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A step that returns what a training loop logs beside the loss (the loss not first)."""
+    logits = model(x)
+    return {"logits": logits, "loss": F.cross_entropy(logits, y), "correct": logits.argmax(-1) == y}
+
+
+@pytest.mark.parametrize("in_plan", [False, True], ids=["optimizer after", "optimizer in the plan"])
+def test_a_step_that_returns_its_logits_and_a_metric_gets_them_back_as_eager_computes_them(in_plan):
+    """What the plan returns is what the user's step returns, the other tensors detached and
+    held to the end of the step (counted in its peak), at a limit the plan meets by fission."""
+    torch.manual_seed(0)
+    model = Classifier().double()
+    twin = copy.deepcopy(model)
+    batches = classification_batches(3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = magis.optimize(
+        model,
+        batches[0],
+        training_step=logits_and_accuracy_step,
+        memory_limit=0.8,
+        optimizer=optimizer if in_plan else None,
+        **SEARCH,
+    )
+    assert plan.report().verified and plan.graph.signature.results and plan.report().transformations["fission"]
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for i, batch in enumerate(batches):
+        torch.manual_seed(i)
+        returned = plan(*batch)
+        if not in_plan:
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.manual_seed(i)
+        expected = logits_and_accuracy_step(twin, *batch)
+        expected["loss"].backward()
+        twin_optimizer.step()
+        twin_optimizer.zero_grad()
+        assert list(returned) == ["logits", "loss", "correct"]
+        assert not any(t.requires_grad for t in returned.values())
+        assert torch.allclose(returned["logits"], expected["logits"], rtol=1e-12, atol=1e-14)
+        assert torch.equal(returned["correct"], expected["correct"])
+        assert float(returned["loss"]) == pytest.approx(float(expected["loss"].detach()), rel=1e-12)
+    assert_same_state(model, twin)
+    if not in_plan:
+        assert_within_limit(plan, model, batches[0])
+
+
+def test_a_step_that_returns_what_a_plan_cannot_is_refused_naming_it():
+    model, (x, y) = Classifier().double(), classification_batches(1)[0]
+    with pytest.raises(magis.CaptureError, match="returned a float beside its loss"):
+        magis.optimize(model, (x, y), training_step=lambda m, x, y: (F.cross_entropy(m(x), y), 0.5), **SEARCH)
+    with pytest.raises(magis.CaptureError, match="a mapping with a 'loss' key"):
+        magis.optimize(model, (x, y), training_step=lambda m, x, y: {"nll": F.cross_entropy(m(x), y)}, **SEARCH)
+
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -20,7 +20,9 @@ def eager_step(
     *,
     training_step: TrainingStep | None = None,
 ) -> StepResult:
-    """``zero_grad(set_to_none)``, forward, loss, backward; gradients are detached from ``.grad``.
+    """``zero_grad(set_to_none)``, forward, loss, backward; gradients are detached from ``.grad``,
+    and the tensors the step returns beside its loss are the result's ``outputs`` (detached;
+    none with micro-batches).
 
     The step is the user's (:class:`~magis.frontend.step.UserStep`): ``loss_fn(model(*batch))``
     or ``training_step(model, *batch)``, a mapping passed as keyword arguments.
@@ -38,10 +40,13 @@ def eager_step(
     for p in model.parameters():
         p.grad = None
     total = None
+    outputs: tuple[torch.Tensor, ...] = ()
     for i, part in enumerate(split_batch(batch, micro_batches)):
         if i:
             separate_shared_gradients(model)
-        loss = step.loss(model, as_batch(part))
+        loss, others, _ = step.returned(model, as_batch(part))
+        if micro_batches == 1:
+            outputs = tuple(other.detach() for other in others)
         if micro_batches > 1:
             loss = loss / micro_batches
         loss.backward()
@@ -51,7 +56,7 @@ def eager_step(
     for p in model.parameters():
         p.grad = None
     assert total is not None
-    return StepResult(total, grads, {})
+    return StepResult(total, grads, {}, outputs)
 
 
 def eager_forward(model: torch.nn.Module, batch: Any) -> StepResult:

@@ -121,23 +121,30 @@ def step_precision(model: torch.nn.Module, graph: Graph | None = None) -> torch.
 def compare_steps(
     both: BothSteps, precision: torch.dtype, noise_floor: float | None = None
 ) -> tuple[float, GradientComparison]:
-    """The loss's relative difference, and every gradient (an inference step: every output) and
-    every buffer eager or the graph changed, the graph's against eager's
-    (:func:`~magis.backend.eager.compare_gradients`; ``noise_floor`` the precision's unless
-    given: 1 measures every difference against the largest value of all)."""
+    """The loss's relative difference, and every gradient, every output (an inference's, or
+    what a training step returns beside its loss) and every buffer eager or the graph
+    changed, the graph's against eager's (:func:`~magis.backend.eager.compare_gradients`;
+    ``noise_floor`` the precision's unless given: 1 measures every difference against the
+    largest value of all)."""
     if both.reference.loss is None:
         loss = 0.0
-        reference = {f"output {i}": t for i, t in enumerate(both.reference.outputs)}
-        other = {f"output {i}": t for i, t in enumerate(both.result.outputs)}
     else:
         loss = compare_gradients({"loss": both.reference.loss}, {"loss": both.result.loss}).max_error
-        reference, other = dict(both.reference.gradients), dict(both.result.gradients)
+    reference, other = dict(both.reference.gradients), dict(both.result.gradients)
+    if both.reference.outputs:  # none where eager ran in micro-batches
+        reference.update({f"output {i}": _as_float(t) for i, t in enumerate(both.reference.outputs)})
+        other.update({f"output {i}": _as_float(t) for i, t in enumerate(both.result.outputs)})
     for name, value in both.buffers_after.items():
         if not torch.equal(value, both.buffers_before[name]) or name in both.result.buffer_updates:
             reference[f"buffer {name}"] = value
             other[f"buffer {name}"] = both.result.buffer_updates.get(name, both.buffers_before[name])
     floor = NOISE_FLOOR.get(precision, 1e-6) if noise_floor is None else noise_floor
     return loss, compare_gradients(reference, other, floor)
+
+
+def _as_float(tensor: torch.Tensor) -> torch.Tensor:
+    """An output as compared: an integer or boolean one (a prediction, a hit) in float64."""
+    return tensor if tensor.is_floating_point() or tensor.is_complex() else tensor.double()
 
 
 def verify_capture(graph: Graph, model: torch.nn.Module, batch: Any, step: UserStep, seed: int = 0) -> Verification:

@@ -18,7 +18,7 @@ import sysconfig
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,16 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from magis.frontend.fx_graph import graph_from_fx
 from magis.frontend.rnn import ExactRNNs
-from magis.frontend.step import BatchSpec, CaptureError, LossFn, TrainingStep, UserStep, as_batch, user_model
+from magis.frontend.step import (
+    BatchSpec,
+    CaptureError,
+    LossFn,
+    StepOutput,
+    TrainingStep,
+    UserStep,
+    as_batch,
+    user_model,
+)
 from magis.frontend.step import default_loss as default_loss  # re-exported: the peers' steps import it from here
 from magis.ir.graph import Graph
 
@@ -38,11 +47,13 @@ from magis.ir.graph import Graph
 @dataclass(frozen=True)
 class Captured:
     """A captured graph and how long capture took; for a forward (:func:`capture_forward`), also
-    the structure of its output, whose tensors are the graph's ``signature.results`` in order."""
+    the structure of its output, whose tensors are the graph's ``signature.results`` in order;
+    for a training step, the structure of what it returns (its tensors but the loss: ``results``)."""
 
     graph: Graph
     seconds: float
     output_spec: pytree.TreeSpec | None = None
+    step_output: StepOutput = field(default_factory=StepOutput)
 
 
 Slot = tuple[torch.nn.Module, str, str]  # (module, "_parameters" or "_buffers", attribute)
@@ -125,18 +136,22 @@ class StepModule(torch.nn.Module):
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
         return super().named_buffers(prefix, recurse, remove_duplicate=True)
 
-    def loss(self, *inputs: Any) -> torch.Tensor:
-        """The step's scalar loss on the batch ``inputs`` make (:class:`~magis.frontend.step.UserStep`).
-        Callers run it inside ``aliases_bound(self.aliases)``."""
-        return self.step.loss(self.model, inputs if self.batch is None else self.batch.rebuild(inputs))
+    def batch_of(self, inputs: tuple) -> Any:
+        """The user's batch from the graph's ``inputs``."""
+        return inputs if self.batch is None else self.batch.rebuild(inputs)
 
 
 class _TrainingStep(StepModule):
-    """Model + loss as the module AOTAutograd exports: forward returns ``(loss,)``."""
+    """Model + loss as the module AOTAutograd exports: forward returns ``(loss, *others)``, the
+    other tensors the user's step returns detached (the backward is of the loss alone);
+    ``step_output`` is the structure of what the step returned."""
 
-    def forward(self, *inputs: Any) -> tuple[torch.Tensor]:
+    step_output: StepOutput = StepOutput()
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
         with aliases_bound(self.aliases):
-            return (self.loss(*inputs),)
+            loss, others, self.step_output = self.step.returned(self.model, self.batch_of(inputs))
+        return (loss, *(other.detach() for other in others))
 
 
 class _ForwardStep(StepModule):
@@ -147,7 +162,7 @@ class _ForwardStep(StepModule):
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
         with aliases_bound(self.aliases):
-            output = UserStep.output(self.model, inputs if self.batch is None else self.batch.rebuild(inputs))
+            output = UserStep.output(self.model, self.batch_of(inputs))
         leaves, self.output_spec = pytree.tree_flatten(output)
         others = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
         if others or not leaves:
@@ -202,7 +217,7 @@ def capture_timed(
     gradients_laid_out_as_parameters(gm, sig)
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
-    return Captured(graph, time.perf_counter() - start)
+    return Captured(graph, time.perf_counter() - start, step_output=step.step_output)
 
 
 def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:

@@ -38,8 +38,9 @@ def _unprefix(name: str) -> str:
 
 def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
     """Convert AOTAutograd's fx graph and its signature into a :class:`Graph`: a joint graph
-    (its first user output the loss), or a forward alone (``trace_joint=False``: its user
-    outputs are the step's ``results``)."""
+    (its first user output the loss, the others what the step returns beside it: its
+    ``results``), or a forward alone (``trace_joint=False``: its user outputs are the step's
+    ``results``)."""
     joint = sig.backward_signature is not None
     signature = Signature(
         parameters={k: _unprefix(v) for k, v in sig.inputs_to_parameters.items()},
@@ -48,7 +49,7 @@ def graph_from_fx(gm: torch.fx.GraphModule, sig: Any) -> Graph:
         loss=sig.user_outputs[0] if joint else "",
         gradients={_unprefix(p): n for n, p in sig.backward_signature.gradients_to_parameters.items()} if joint else {},
         buffer_updates={_unprefix(b): name for name, b in sig.buffers_to_mutate.items()},
-        results=() if joint else tuple(sig.user_outputs),
+        results=tuple(sig.user_outputs[1:] if joint else sig.user_outputs),
     )
     return graph_from_step_fx(gm, signature)
 

@@ -6,7 +6,10 @@ arguments: what a transformers collator yields) or one tensor. The step is
 else the output when it is a scalar, else ``output.loss`` / ``output["loss"]``; or the
 user's own ``training_step(model, *batch)`` (``training_step(model, batch)`` for a
 mapping), so that labels reach the loss (docs/design.md, "The user's side of the
-contract").
+contract"). A training step may return more than its loss, as users log metrics: a tuple
+or list whose first element is the loss (``loss, logits``), or a mapping with a
+``"loss"`` key (``{"loss": loss, "accuracy": acc}``); :class:`StepOutput` records that
+structure, and the plan returns it with the other tensors' values, detached.
 
 The captured graph takes the batch's tensors, flattened (``torch.utils._pytree``) into
 positional inputs; every other leaf (an int, a bool, ``None``) is a constant of the
@@ -27,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 LossFn = Callable[[Any], torch.Tensor]
-TrainingStep = Callable[..., torch.Tensor]
+TrainingStep = Callable[..., Any]
 
 
 class CaptureError(RuntimeError):
@@ -112,21 +115,79 @@ class UserStep:
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The scalar loss of one step on ``batch`` (as :func:`as_batch` keeps it)."""
+        return self.returned(model, batch)[0]
+
+    def returned(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], StepOutput]:
+        """One step on ``batch``: its scalar loss, the other tensors ``training_step`` returned
+        (:func:`torch.utils._pytree.tree_flatten` order) and the structure that rebuilds what it returned."""
         if self.training_step is not None:
-            loss = (
+            returned = (
                 self.training_step(model, batch)
                 if isinstance(batch, dict)
                 else self.training_step(model, *_args(batch))
             )
+            output = StepOutput.of(returned)
+            loss, others = output.split(returned)
             what = "training_step"
         else:
-            output = self.output(model, batch)
-            loss = default_loss(output) if self.loss_fn is None else self.loss_fn(output)
+            model_output = self.output(model, batch)
+            loss = default_loss(model_output) if self.loss_fn is None else self.loss_fn(model_output)
+            output, others = StepOutput(), ()
             what = "the model" if self.loss_fn is None else "loss_fn"
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise CaptureError(f"{what} must return a scalar loss tensor, got {got}")
-        return loss
+        return loss, others, output
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """The structure of what a training step returns (module docstring): ``spec`` of its
+    flattened leaves, every one a tensor, the loss at ``loss_leaf``; ``spec`` is None for
+    the loss alone."""
+
+    spec: pytree.TreeSpec | None = None
+    loss_leaf: int = 0
+
+    @staticmethod
+    def of(returned: Any) -> StepOutput:
+        """The structure of ``returned``; a ``CaptureError`` where no loss is found or a leaf is not a tensor."""
+        if isinstance(returned, torch.Tensor):
+            return StepOutput()
+        if isinstance(returned, (tuple, list)) and returned:
+            key: Any = 0
+        elif isinstance(returned, Mapping) and "loss" in returned:
+            key = "loss"
+        else:
+            raise CaptureError(
+                f"training_step returned {type(returned).__name__}: return the scalar loss, a tuple or list "
+                "whose first element is the loss, or a mapping with a 'loss' key"
+            )
+        loss = returned[key]
+        if not isinstance(loss, torch.Tensor):
+            raise CaptureError(f"training_step returned a {type(loss).__name__} as its loss, not a tensor")
+        leaves, spec = pytree.tree_flatten(returned)
+        other = next((leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)), None)
+        if other is not None:
+            raise CaptureError(
+                f"training_step returned a {type(other).__name__} beside its loss: a plan returns the tensors "
+                "its graph computes (return a tensor, or compute the value after the call)"
+            )
+        return StepOutput(spec, next(i for i, leaf in enumerate(leaves) if leaf is loss))
+
+    def split(self, returned: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """The loss of ``returned`` and its other tensors, in leaf order."""
+        if self.spec is None:
+            return returned, ()
+        leaves = pytree.tree_leaves(returned)
+        return leaves[self.loss_leaf], tuple(leaves[: self.loss_leaf] + leaves[self.loss_leaf + 1 :])
+
+    def rebuild(self, loss: torch.Tensor, others: tuple[torch.Tensor, ...]) -> Any:
+        """What the step returned, from its loss and other tensors."""
+        if self.spec is None:
+            return loss
+        leaves = [*others[: self.loss_leaf], loss, *others[self.loss_leaf :]]
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
 def _required_positionals(fn: Callable[..., Any]) -> int:
