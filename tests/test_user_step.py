@@ -156,6 +156,15 @@ def test_a_step_that_returns_what_a_plan_cannot_is_refused_naming_it():
         magis.optimize(model, (x, y), training_step=lambda m, x, y: {"nll": F.cross_entropy(m(x), y)}, **SEARCH)
 
 
+def test_a_model_wrapped_for_data_parallelism_is_refused_naming_the_wrapper():
+    """DataParallel and DistributedDataParallel split or average the step inside their own
+    forward and backward, where a plan does not reach (a DDP model failed in capture with an
+    op 'returns a non-tensor value (ScriptObject)')."""
+    model, (x, y) = Classifier().double(), classification_batches(1)[0]
+    with pytest.raises(magis.CaptureError, match=r"wrapped in DataParallel.*plan the module it wraps"):
+        magis.optimize(nn.DataParallel(model), (x, y), training_step=cross_entropy_step, **SEARCH)
+
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -47,7 +47,19 @@ def user_model(model: Any) -> torch.nn.Module:
     model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    parallel = next((c.__name__ for c in type(model).__mro__ if c.__module__.startswith(_PARALLEL_WRAPPERS)), None)
+    if parallel is not None:
+        raise CaptureError(
+            f"the model is wrapped in {parallel}, which shares the step across devices or processes inside "
+            "its forward and backward (gradients averaged as the backward runs), where a plan does not "
+            "reach: plan the module it wraps (model.module) and average .grad across processes after each "
+            "call (torch.distributed.all_reduce), or train in one process"
+        )
     return model
+
+
+#: the modules of torch's data-parallel wrappers (DataParallel, DistributedDataParallel, FSDP)
+_PARALLEL_WRAPPERS = ("torch.nn.parallel", "torch.distributed.fsdp")
 
 
 def default_loss(output: Any) -> torch.Tensor:
