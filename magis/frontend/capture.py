@@ -140,6 +140,11 @@ class StepModule(torch.nn.Module):
         """The user's batch from the graph's ``inputs``."""
         return inputs if self.batch is None else self.batch.rebuild(inputs)
 
+    def loss(self, *inputs: Any) -> torch.Tensor:
+        """The step's scalar loss on the batch ``inputs`` make (:class:`~magis.frontend.step.UserStep`).
+        Callers run it inside ``aliases_bound(self.aliases)``."""
+        return self.step.loss(self.model, self.batch_of(inputs))
+
 
 class _TrainingStep(StepModule):
     """Model + loss as the module AOTAutograd exports: forward returns ``(loss, *others)``, the
