@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -180,6 +182,42 @@ def test_a_batch_norm_with_a_cumulative_average_is_refused_at_its_line():
     with pytest.raises(CaptureError, match="data-dependent") as raised:
         magis.capture(model, (torch.randn(2, 3, 6, 6),), lambda out: out.sum())
     assert "batchnorm.py:" in str(raised.value) and "num_batches_tracked" in str(raised.value)
+
+
+def _flip_by_python(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if random.random() < 0.5:  # an augmentation's coin flip: traced once, a constant of the graph
+        x = x.flip(-1)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _scale_by_numpy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x * float(np.random.uniform(0.9, 1.1))), y)
+
+
+def _flip_by_torch(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    x = torch.where(torch.rand(()) < 0.5, x.flip(-1), x)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize(
+    ("step", "generator"),
+    [(_flip_by_python, "Python's random module"), (_scale_by_numpy, "NumPy's global generator")],
+)
+def test_a_step_drawing_from_python_or_numpy_is_refused_and_torchs_draw_is_drawn_at_every_call(step, generator):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    x, y = torch.randn(32, 8, dtype=torch.float64), torch.randint(0, 3, (32,))
+    with pytest.raises(CaptureError, match=f"draws from {generator}.* replay it at every call"):
+        magis.optimize(model, (x, y), training_step=step, progress=False)
+    plan = magis.optimize(model, (x, y), training_step=_flip_by_torch, max_states=4, progress=False)
+    losses = set()
+    for seed in range(8):  # both sides of the coin, each as eager draws it
+        torch.manual_seed(seed)
+        expected = float(_flip_by_torch(model, x, y))
+        torch.manual_seed(seed)
+        losses.add(loss := float(plan(x, y)))
+        assert loss == pytest.approx(expected, rel=1e-12)
+    assert len(losses) == 2
 
 
 def test_uncapturable_op_is_named():

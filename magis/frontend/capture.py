@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import sys
 import sysconfig
 import time
 import traceback
@@ -253,6 +255,7 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
     """What every trace of the user's model runs under; yields the inputs to trace with
     (:func:`planning_mode`)."""
     with (
+        _no_python_random_draws(),
         _without_stack_traces(),
         traced_as_by_compile(),
         ExactRNNs(model),  # nn.LSTM/GRU/RNN as eager runs them, inter-layer dropout included
@@ -260,6 +263,44 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
         planning_mode(model, example_inputs) as inputs,
     ):
         yield inputs
+
+
+@contextlib.contextmanager
+def _no_python_random_draws() -> Iterator[None]:
+    """A ``CaptureError`` where the traced step drew from Python's or NumPy's global generator.
+
+    A trace runs the step's Python once: a coin flip of ``random.random()`` or
+    ``np.random.uniform()`` (an augmentation inside the training step, a layer dropped at
+    random) becomes a constant of the graph, and the plan would replay that one draw at
+    every call. torch's own draws are traced as random operators, drawn anew each call."""
+    before = _python_random_states()
+    yield
+    after = _python_random_states()
+    drawn = next((name for name, state in before.items() if not _same_state(state, after[name])), None)
+    if drawn is not None:
+        raise CaptureError(
+            f"the step draws from {drawn} while it is traced (a coin flip in an augmentation, a layer "
+            "skipped at random): the graph would hold that one draw and replay it at every call. Draw "
+            "with torch instead (torch.where(torch.rand(()) < p, flipped, x)), which a plan draws anew at "
+            "each call as eager does"
+        )
+
+
+def _python_random_states() -> dict[str, Any]:
+    """The states of Python's global generator and, where NumPy is imported, NumPy's."""
+    states: dict[str, Any] = {"Python's random module": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["NumPy's global generator (np.random)"] = numpy.random.get_state()
+    return states
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Two generator states alike (NumPy's holds an array, which ``==`` compares element by element)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    equal = a == b
+    return bool(equal.all()) if hasattr(equal, "all") else bool(equal)
 
 
 @contextlib.contextmanager
