@@ -220,6 +220,25 @@ def test_a_step_drawing_from_python_or_numpy_is_refused_and_torchs_draw_is_drawn
     assert len(losses) == 2
 
 
+class _CountsItsCalls(nn.Module):
+    """A forward that keeps Python state: a call counter that anneals a temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.calls = nn.Linear(8, 3), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x) / max(0.1, 1.0 - 0.1 * self.calls)
+
+
+def test_a_forward_that_changes_python_state_is_refused_naming_it_and_the_model_left_as_it_was():
+    model = _CountsItsCalls()
+    with pytest.raises(CaptureError, match=r"changed the model \(_CountsItsCalls\)'s attribute 'calls' from 0 to"):
+        magis.capture(model, (torch.randn(4, 8),), lambda out: out.sum())
+    assert model.calls == 0
+
+
 def test_uncapturable_op_is_named():
     with pytest.raises(CaptureError, match="capture"):
         magis.capture(NumpyEscape(), (torch.randn(2, 4),))

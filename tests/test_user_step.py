@@ -5,6 +5,7 @@ optimizer. Plans train exactly like eager PyTorch, and anything else is refused 
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import pytest
@@ -516,16 +517,16 @@ class HiddenDropout(nn.Module):
 
 
 class CountingModel(nn.Module):
-    """A forward that reads Python state changing from call to call: the capture froze one value."""
+    """A forward that reads Python state outside the model changing from call to call (state in
+    the model's own attributes is refused as the capture changes it): the capture froze one value."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8)
-        self.calls = 0
+        self.calls = itertools.count(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return (self.a(x) * self.calls).square().mean()
+        return (self.a(x) * next(self.calls)).square().mean()
 
 
 def test_a_capture_that_differs_from_eager_is_refused_before_any_search(monkeypatch):

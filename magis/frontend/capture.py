@@ -30,6 +30,7 @@ from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from magis.frontend.conditions import changed_while_traced, module_records, restore_settings
 from magis.frontend.fx_graph import graph_from_fx
 from magis.frontend.rnn import ExactRNNs
 from magis.frontend.step import (
@@ -253,7 +254,10 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
 @contextlib.contextmanager
 def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[tuple[Any, ...]]:
     """What every trace of the user's model runs under; yields the inputs to trace with
-    (:func:`planning_mode`)."""
+    (:func:`planning_mode`). A trace that changed the model's Python state
+    (:func:`~magis.frontend.conditions.changed_while_traced`) or drew from Python's or NumPy's
+    generator is a ``CaptureError``."""
+    before = module_records(model)
     with (
         _no_python_random_draws(),
         _without_stack_traces(),
@@ -263,6 +267,10 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
         planning_mode(model, example_inputs) as inputs,
     ):
         yield inputs
+    changed = changed_while_traced(before, module_records(model))
+    if changed is not None:
+        restore_settings(model, before)  # the model as the user gave it
+        raise CaptureError(changed)
 
 
 @contextlib.contextmanager

@@ -169,6 +169,34 @@ def _module_difference(then: ModuleRecord, now: ModuleRecord) -> str | None:
     return None
 
 
+def changed_while_traced(before: tuple[ModuleRecord, ...], after: tuple[ModuleRecord, ...]) -> str | None:
+    """Why a trace cannot hold what the step did to the model's Python state: the first setting
+    (:func:`module_records`) that ``after`` holds other than ``before``, or None. A forward that
+    counts its calls or anneals a rate in an attribute ran once in the trace; the plan would see
+    that call's values at every call."""
+    for (name, kind, _, _, then), (_, _, _, _, now) in zip(before, after):
+        if then == now:
+            continue
+        ours, recorded = dict(now), dict(then)
+        key = next(k for k in {**recorded, **ours} if ours.get(k, ...) != recorded.get(k, ...))
+        return (
+            f"the step changed {_module(name)} ({kind})'s attribute {key!r} from {recorded.get(key, '(unset)')!r} "
+            f"to {ours.get(key, '(unset)')!r} while it was traced: a graph holds the Python state of that one "
+            "call, so every call of a plan would see the same value. Keep such state in a tensor buffer "
+            "(register_buffer), which a plan updates as eager does, or outside the model"
+        )
+    return None
+
+
+def restore_settings(model: torch.nn.Module, records: tuple[ModuleRecord, ...]) -> None:
+    """Put back every setting of ``records`` (:func:`module_records` of ``model``) that differs now."""
+    for name, _, _, _, settings in records:
+        module = model.get_submodule(name)
+        for key, value in settings:
+            if getattr(module, key, ...) != value:
+                setattr(module, key, value)
+
+
 def _hooked(param: torch.Tensor) -> bool:
     return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
