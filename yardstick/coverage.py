@@ -9,7 +9,8 @@ one :class:`Verdict`:
 
 - ``not built`` / ``eager fails``: the small configuration cannot be built, or eager
   PyTorch cannot train it on CPU (a model that needs inputs or a device we do not
-  give it). These are outside the denominator: there is nothing to compare with.
+  give it, or whose own loss or gradients are not finite in any dtype tried). These
+  are outside the denominator: there is nothing to compare with.
 - ``timed out``: the sweep's driver gave up on it (a model whose CPU reference
   kernels are slow, such as a sequential state-space scan); listed, not counted.
 - ``pass``: captured, the gradients cover the same parameters as eager's and equal
@@ -331,8 +332,14 @@ def check(arch: Architecture, seed: int = 0, plan: bool = False) -> Verdict:
         verdict.parameters, verdict.dtype = sum(p.numel() for p in model.parameters()), str(dtype)
         try:
             torch.manual_seed(seed)
-            model(*inputs).backward()
+            loss = model(*inputs)
+            loss.backward()
+            finite = bool(torch.isfinite(loss)) and all(
+                bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None
+            )
             model.zero_grad(set_to_none=True)
+            if not finite:  # nothing to check a capture against (Canine's float64 step)
+                raise FloatingPointError("eager's own loss or gradients are not finite")
             verdict.cause = ""
             break
         except Exception as err:
