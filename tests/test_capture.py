@@ -239,6 +239,27 @@ def test_a_forward_that_changes_python_state_is_refused_naming_it_and_the_model_
     assert model.calls == 0
 
 
+def _backward_inside(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()  # the user's whole step, backward included: the plan runs its own
+    return loss
+
+
+def _gradient_penalty(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = x.requires_grad_()
+    out = model(x).sum()
+    (grad,) = torch.autograd.grad(out, x, create_graph=True)
+    return out + grad.square().sum()
+
+
+@pytest.mark.parametrize("step", [_backward_inside, _gradient_penalty])
+def test_a_step_that_runs_a_backward_itself_is_refused_naming_it(step):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with pytest.raises(CaptureError, match=r"the step runs a backward itself \(loss.backward\(\), or torch.autograd"):
+        magis.capture(model, (torch.randn(4, 8),), training_step=step)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_uncapturable_op_is_named():
     with pytest.raises(CaptureError, match="capture"):
         magis.capture(NumpyEscape(), (torch.randn(2, 4),))

@@ -157,9 +157,31 @@ class _TrainingStep(StepModule):
     step_output: StepOutput = StepOutput()
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
-        with aliases_bound(self.aliases):
+        with aliases_bound(self.aliases), _no_backward_in_the_step():
             loss, others, self.step_output = self.step.returned(self.model, self.batch_of(inputs))
         return (loss, *(other.detach() for other in others))
+
+
+@contextlib.contextmanager
+def _no_backward_in_the_step() -> Iterator[None]:
+    """A ``CaptureError`` where the user's step runs a backward itself (``loss.backward()``,
+    ``torch.autograd.grad``): the step a plan takes returns the loss, and the plan runs the
+    backward. Only around the user's step: AOTAutograd differentiates the loss after it."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise CaptureError(
+            "the step runs a backward itself (loss.backward(), or torch.autograd.grad as a gradient "
+            "penalty does): a plan holds one backward, of the loss the step returns. Return the loss; the "
+            "plan runs its backward and leaves .grad as loss.backward() would (a backward inside the "
+            "loss, double backward, is not supported)"
+        )
+
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+    torch.autograd.backward, torch.autograd.grad = refuse, refuse
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = backward, grad
 
 
 class _ForwardStep(StepModule):
