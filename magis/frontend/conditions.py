@@ -160,13 +160,20 @@ def _module_difference(then: ModuleRecord, now: ModuleRecord) -> str | None:
                 "runs the hooks it was captured with (remove them, or optimize again)"
             )
     if settings != then[4]:
-        ours, recorded = dict(settings), dict(then[4])
-        key = next(k for k in {**ours, **recorded} if ours.get(k, ...) != recorded.get(k, ...))
+        key, recorded, ours = _changed_setting(then[4], settings)
         return (
-            f"{_module(name)} ({kind}) has {key}={ours.get(key, '(unset)')!r}; the plan was made with "
-            f"{key}={recorded.get(key, '(unset)')!r} (set it back, or optimize again)"
+            f"{_module(name)} ({kind}) has {key}={ours!r}; the plan was made with {key}={recorded!r} "
+            "(set it back, or optimize again)"
         )
     return None
+
+
+def _changed_setting(then: tuple[tuple[str, Any], ...], now: tuple[tuple[str, Any], ...]) -> tuple[str, Any, Any]:
+    """The first setting that differs between a module's ``then`` and ``now``: its name, value
+    then and value now (``'(unset)'`` where it had none)."""
+    recorded, ours = dict(then), dict(now)
+    key = next(k for k in {**recorded, **ours} if ours.get(k, ...) != recorded.get(k, ...))
+    return key, recorded.get(key, "(unset)"), ours.get(key, "(unset)")
 
 
 def changed_while_traced(before: tuple[ModuleRecord, ...], after: tuple[ModuleRecord, ...]) -> str | None:
@@ -177,11 +184,10 @@ def changed_while_traced(before: tuple[ModuleRecord, ...], after: tuple[ModuleRe
     for (name, kind, _, _, then), (_, _, _, _, now) in zip(before, after):
         if then == now:
             continue
-        ours, recorded = dict(now), dict(then)
-        key = next(k for k in {**recorded, **ours} if ours.get(k, ...) != recorded.get(k, ...))
+        key, recorded, ours = _changed_setting(then, now)
         return (
-            f"the step changed {_module(name)} ({kind})'s attribute {key!r} from {recorded.get(key, '(unset)')!r} "
-            f"to {ours.get(key, '(unset)')!r} while it was traced: a graph holds the Python state of that one "
+            f"the step changed {_module(name)} ({kind})'s attribute {key!r} from {recorded!r} to {ours!r} "
+            "while it was traced: a graph holds the Python state of that one "
             "call, so every call of a plan would see the same value. Keep such state in a tensor buffer "
             "(register_buffer), which a plan updates as eager does, or outside the model"
         )
