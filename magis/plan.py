@@ -7,10 +7,10 @@ An inference plan (``optimize(..., inference=True)``) runs the forward alone:
 given to :func:`magis.optimize`) runs one training step with the magis runtime
 (:mod:`magis.backend.runtime`: generated code unless ``plan.runtime`` says otherwise),
 on the model's parameters as they are at that call (an optimizer updates them in
-place between calls): it returns the loss (what the user's ``training_step``
-returned: ``(loss, logits)``, ``{"loss": ..., ...}``, the other tensors detached), accumulates each parameter's gradient
-into ``.grad`` as ``loss.backward()`` would, and writes the new BatchNorm statistics
-into the model's buffers as an eager step does. Random ops draw from torch's
+place between calls): it returns the loss (or what the user's ``training_step``
+returned: ``(loss, logits)``, ``{"loss": ..., ...}``, the other tensors detached),
+accumulates each parameter's gradient into ``.grad`` as ``loss.backward()`` would, and
+writes the new BatchNorm statistics into the model's buffers as an eager step does. Random ops draw from torch's
 generator in eager's order, so a seeded plan reproduces a seeded eager step.
 ``plan(*batch, grad_scale=s)`` seeds the backward with ``s``
 (:mod:`magis.frontend.grad_seed`), leaving in ``.grad`` what
