@@ -214,3 +214,18 @@ def test_planned_plans_again_when_a_param_group_is_added_and_trains_like_eager(t
     assert step_fn.searches == 2
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=1e-10, atol=1e-12), name
+
+
+def test_a_model_cast_after_planning_is_refused_naming_a_parameter():
+    """Token ids pass the batch check whatever the weights' dtype: the cast is caught as the
+    step binds (it failed inside the step with "expected scalar type Float but found BFloat16")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Flatten(), nn.Linear(16 * 8, 4))
+    ids, labels = torch.randint(0, 32, (16, 8)), torch.randint(0, 4, (16,))
+    plan = magis.optimize(model, (ids, labels), training_step=step, latency_limit=1.5, **SEARCH)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is torch.bfloat16 .* captured with torch.float32"):
+        plan(ids, labels)
+    model.float()
+    plan(ids, labels)
+    assert model[0].weight.grad.dtype == torch.float32

@@ -92,9 +92,15 @@ def bind(
     wanted += [(node, name, "_buffers") for node, name in sig.buffers.items()]
     env: dict[str, Any] = {}
     for (node, name, kind), tensor in zip(wanted, module_tensors(model, [(name, kind) for _, name, kind in wanted])):
+        what = "parameter" if kind == "_parameters" else "buffer"
         if tensor is None:
-            what = "parameter" if kind == "_parameters" else "buffer"
             raise RuntimeBindError(f"the module has no {what} {name!r} that the graph was captured with")
+        meta = graph[node].outputs[0]
+        if meta is not None and (tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape):
+            raise RuntimeBindError(
+                f"{what} {name!r} is {tensor.dtype} of shape {tuple(tensor.shape)}; the graph was captured with "
+                f"{meta.dtype} of shape {meta.shape} (the model was cast or resized since): optimize again"
+            )
         env[node] = tensor.detach()
     flat = [x for x in example_inputs]
     if len(flat) != len(sig.user_inputs):

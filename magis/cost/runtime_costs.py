@@ -112,7 +112,8 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
             layers = [torch.nn.Sequential(layer) for layer in layers]
         holder = torch.nn.Sequential(*layers)
         names = [name for name, _ in holder.named_parameters()]
-        weights = tuple(Node(f"p{i}", None, outputs=(one,), aliases=(None,), role=Role.INPUT) for i in range(n))
+        weight = TensorMeta((1, 1), torch.float32, 4)  # a Linear(1, 1)'s, as binding checks
+        weights = tuple(Node(f"p{i}", None, outputs=(weight,), aliases=(None,), role=Role.INPUT) for i in range(n))
         graph = Graph(weights, outputs=(), signature=Signature(parameters={w.name: p for w, p in zip(weights, names)}))
         return lambda: bind(graph, holder, ())
 

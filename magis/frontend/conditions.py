@@ -127,7 +127,13 @@ class Conditions:
                     "(set requires_grad back, or optimize again: magis.planned does so by itself)"
                 )
         if self.trainable != now.trainable:
-            return "the model has other parameters than the plan was made for (optimize again)"
+            then_names, our_names = [t[0] for t in self.trainable], [t[0] for t in now.trainable]
+            added = [name for name in our_names if name not in then_names]
+            removed = [name for name in then_names if name not in our_names]
+            return (
+                f"the model has other parameters than the plan was made for (new: {added}, gone: {removed}; "
+                "a weight tied or untied, or replaced by another module's): optimize again"
+            )
         for what, then, ours in zip(GLOBAL_HOOKS.values(), self.global_hooks, now.global_hooks):
             if then != ours:
                 return f"torch.nn's {what} are {list(ours)}; the plan was made with {list(then)} (optimize again)"
