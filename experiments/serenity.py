@@ -13,6 +13,10 @@ at ``--preset`` (``paper``: batch 1) and captured forward-only
 - ``serenity+rewrites``: the same after every identity rewrite (Serenity §3.3: channel-wise
   partitioning of a convolution over a concatenation, kernel-wise of a depthwise one), when it
   lowers the scheduled peak;
+- ``all-rewrites``: the DP after every rewrite of magis that costs no time, applied wherever
+  it can be (:func:`magis.rules.canonical.canonical`: concatenations moved past per-channel
+  operators and partitioned, repeated operators computed once, multiply-adds, in-place
+  operators), no search;
 - ``magis``: ``magis.optimize(..., inference=True)`` in latency-limit mode (``--latency-limit``):
   the M-Optimizer's search (scheduling, fission, rewrites) on the same graph.
 
@@ -42,10 +46,11 @@ from magis.cost.memory import simulate_memory
 from magis.frontend.capture import capture_forward
 from magis.ir.graph import Graph
 from magis.models import PRESETS, ZOO, Built
+from magis.rules.canonical import canonical
 from magis.rules.identity import apply_concat_conv, apply_concat_depthwise, find_concat_conv, find_concat_depthwise
 from magis.schedule import schedule
 
-ORDERS = ("pytorch", "kahn", "serenity", "serenity+rewrites", "magis")
+ORDERS = ("pytorch", "kahn", "serenity", "serenity+rewrites", "all-rewrites", "magis")
 
 
 def rewritten(graph: Graph) -> tuple[Graph, int]:
@@ -76,6 +81,8 @@ def measure_network(name: str, preset: str, args: argparse.Namespace) -> dict:
     with_rewrites = (rewritten_graph, schedule(rewritten_graph, args.time_limit).order)
     better = simulate_memory(*with_rewrites).peak < simulate_memory(*plans["serenity"]).peak
     plans["serenity+rewrites"] = with_rewrites if better else plans["serenity"]
+    every = canonical(graph)
+    plans["all-rewrites"] = (every, schedule(every, args.time_limit).order)
     plan = magis.optimize(
         model,
         inputs,

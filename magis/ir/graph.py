@@ -154,7 +154,8 @@ class Node:
 def writes(node: Node) -> tuple[str, ...]:
     """The inputs ``node`` writes in place: an optimizer's update writes its parameters and
     states (:class:`magis.frontend.optimizer.ParameterUpdate`), an in-place aten op the
-    arguments its schema marks written (``Tensor(a!)``, :mod:`magis.rules.in_place`); ``()``
+    arguments its schema marks written (``Tensor(a!)``, positional or an ``out=`` keyword,
+    :mod:`magis.rules.in_place`); ``()``
     for a functional op, as every captured op is."""
     written = getattr(node.target, "writes", None)
     if callable(written):
@@ -162,9 +163,14 @@ def writes(node: Node) -> tuple[str, ...]:
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.is_mutable:
         return ()
+    kwargs = node.kwargs_dict()
+    values = (
+        node.args[position] if position < len(node.args) and not argument.kwarg_only else kwargs.get(argument.name)
+        for position, argument in enumerate(schema.arguments)
+    )
     return tuple(
         value.name
-        for value, argument in zip(node.args, schema.arguments)
+        for value, argument in zip(values, schema.arguments)
         if isinstance(value, Ref) and argument.alias_info is not None and argument.alias_info.is_write
     )
 

@@ -34,6 +34,7 @@ and on inference-style graphs.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ import torch
 
 from magis.ir.graph import Graph, Node, Ref
 from magis.rules.builder import NodeBuilder
+from magis.rules.in_place import EVAL_BATCH_NORM, IN_PLACE
 from magis.rules.rewrite import Rewrite, hot_spots
 
 aten = torch.ops.aten
@@ -86,7 +88,12 @@ def apply_concat_conv(graph: Graph, match: ConcatConv) -> Graph:
 
 
 def apply_concat_depthwise(graph: Graph, match: ConcatConv) -> Graph:
-    """Kernel-wise partitioning: one depthwise convolution per part, concatenated; the cat takes the conv's name."""
+    """Kernel-wise partitioning: one depthwise convolution per part, concatenated; the cat takes the conv's place."""
+    return _depthwise_per_part(graph, match)[0]
+
+
+def _depthwise_per_part(graph: Graph, match: ConcatConv) -> tuple[Graph, str]:
+    """:func:`apply_concat_depthwise`, and the name of the new concatenation."""
     args = _conv_args(graph[match.conv])
     new = NodeBuilder(graph, match.conv)
     multiplier = graph[args["weight"].name].meta.shape[0] // args["groups"]
@@ -99,7 +106,8 @@ def apply_concat_depthwise(graph: Graph, match: ConcatConv) -> Graph:
         outputs.append(new.add("part", aten.convolution.default, _positional(args, Ref(part), weight, bias, channels)))
         start = stop
     joined = new.add("cat", aten.cat.default, (outputs, 1))
-    return graph.replace(remove=[match.concat, match.conv], add=new.nodes, rename={match.conv: joined.name})
+    graph = graph.replace(remove=[match.concat, match.conv], add=new.nodes, rename={match.conv: joined.name})
+    return graph, joined.name
 
 
 def concat_conv_rewrites(graph: Graph) -> list[Rewrite]:
@@ -115,6 +123,57 @@ def concat_depthwise_rewrites(graph: Graph) -> list[Rewrite]:
     return [
         Rewrite(apply_concat_depthwise(graph, m), f"partition {m.conv} kernel-wise over the parts of {m.concat}")
         for m in find_concat_depthwise(graph)
+    ]
+
+
+#: operators applied to each element alone, a tensor first and constants after (the activations
+#: that have an in-place twin): ``f(cat(x_1..x_k)) = cat(f(x_1)..f(x_k))``, bit for bit
+ELEMENTWISE = frozenset(IN_PLACE)
+
+
+def find_concat_sinks(graph: Graph) -> list[str]:
+    """Every channel concatenation :func:`sink_concat` moves past an operator that is not a dense
+    convolution (a concatenation a dense convolution reads is :func:`find_concat_conv`'s alone)."""
+    outputs = set(graph.outputs)
+    found = []
+    for node in graph.nodes:
+        if node.target is not aten.cat.default or node.name in outputs:
+            continue
+        target = _sunk_through(graph, node.name)
+        dense = target is aten.convolution.default and _conv_args(graph[graph.consumers[node.name][0]])["groups"] == 1
+        if target is not None and not dense:
+            found.append(node.name)
+    return found
+
+
+def sink_concat(graph: Graph, concat: str) -> Graph:
+    """Move a channel concatenation as far down as its values stay per channel (Serenity §3.3's
+    partitionings, extended through what lies between a concatenation and its convolution):
+    past elementwise activations, eval-mode batch norms (each part normalised with its
+    channels' statistics) and means over the image (a classifier's pooling), kernel-wise
+    through depthwise convolutions, and finally channel-wise into a dense convolution,
+    which sums partial convolutions instead. A
+    NAS cell's "concatenate, depthwise, batch norm, ReLU, 1x1 convolution" then never
+    holds the concatenated channels at all. Exact but for the last partitioning's sums."""
+    while (target := _sunk_through(graph, concat)) is not None:
+        reader = graph[graph.consumers[concat][0]]
+        if target is aten.convolution.default:
+            match = ConcatConv(concat, reader.name, *_parts(graph, concat))
+            if _conv_args(reader)["groups"] == 1:
+                return apply_concat_conv(graph, match)
+            graph, concat = _depthwise_per_part(graph, match)
+        elif target is EVAL_BATCH_NORM:
+            graph, concat = _batch_norm_per_part(graph, concat, reader)
+        else:
+            graph, concat = _elementwise_per_part(graph, concat, reader)
+    return graph
+
+
+def concat_sink_rewrites(graph: Graph) -> list[Rewrite]:
+    """Every concatenation :func:`sink_concat` moves (an M-Rule)."""
+    return [
+        Rewrite(sink_concat(graph, concat), f"move {concat} past the per-channel operators reading it")
+        for concat in find_concat_sinks(graph)
     ]
 
 
@@ -196,3 +255,68 @@ def _positional(args: dict[str, Any], x: Ref, weight: Ref, bias: Ref | None, gro
     """Arguments of a convolution like ``args`` on other operands."""
     changed = {"input": x, "weight": weight, "bias": bias, "groups": args["groups"] if groups is None else groups}
     return tuple(changed.get(name, args[name]) for name in CONV_ARGS)
+
+
+def _sunk_through(graph: Graph, concat: str) -> Any:
+    """The operator a channel concatenation ``concat`` can move past (module docstring): its one
+    reader's target, or ``None``."""
+    node = graph[concat]
+    parts, dim = _cat_args(node)
+    readers = graph.consumers[concat]
+    if len(parts) < 2 or dim % len(node.meta.shape) != 1 or len(set(parts)) != len(parts) or len(readers) != 1:
+        return None
+    reader = graph[readers[0]]
+    if not reader.args or reader.args[0] != Ref(concat) or sum(r == Ref(concat) for r in reader.refs) != 1:
+        return None
+    if reader.target in ELEMENTWISE:
+        return reader.target if all(not isinstance(a, Ref) for a in reader.args[1:]) and not reader.kwargs else None
+    if reader.target is aten.mean.dim and len(reader.args) > 1 and isinstance(reader.args[1], (list, tuple)):
+        rank = len(node.meta.shape)
+        reduced = {d % rank for d in reader.args[1]}
+        return reader.target if reduced.isdisjoint({0, 1}) and not reader.kwargs else None
+    if reader.target is EVAL_BATCH_NORM:
+        items = graph.consumers[reader.name]
+        only_output = all(graph[i].target is operator.getitem and graph[i].args[1] == 0 for i in items)
+        statistics = all(isinstance(a, Ref) and a.name in graph.persistent for a in reader.args[3:5])
+        return reader.target if items and only_output and statistics else None
+    if reader.target is aten.convolution.default and not _conv_args(reader)["transposed"]:
+        groups = _conv_args(reader)["groups"]
+        return reader.target if groups in (1, node.meta.shape[1]) else None
+    return None
+
+
+def _parts(graph: Graph, concat: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    parts, _ = _cat_args(graph[concat])
+    return parts, tuple(graph[p].meta.shape[1] for p in parts)
+
+
+def _elementwise_per_part(graph: Graph, concat: str, reader: Node) -> tuple[Graph, str]:
+    """``f(cat(x_i))`` as ``cat(f(x_i))`` (an elementwise ``f``, or a mean over other dimensions than
+    the batch and the channels); the new concatenation takes the reader's place."""
+    new = NodeBuilder(graph, reader.name)
+    parts = [new.add("part", reader.target, (Ref(p), *reader.args[1:])) for p in _parts(graph, concat)[0]]
+    joined = new.add("cat", aten.cat.default, (parts, 1))
+    graph = graph.replace(remove=[concat, reader.name], add=new.nodes, rename={reader.name: joined.name})
+    return graph, joined.name
+
+
+def _batch_norm_per_part(graph: Graph, concat: str, reader: Node) -> tuple[Graph, str]:
+    """An eval-mode batch norm of ``cat(x_i)`` as ``cat`` of each part's batch norm with its
+    channels' weight, bias and running statistics (views of them); the new concatenation takes
+    the place of the batch norm's output."""
+    new = NodeBuilder(graph, reader.name)
+    outputs: list[Ref] = []
+    start = 0
+    for part, channels in zip(*_parts(graph, concat)):
+        sliced = [
+            new.add("slice", aten.slice.Tensor, (a, 0, start, start + channels)) if isinstance(a, Ref) else a
+            for a in reader.args[1:5]
+        ]
+        normed = new.add("part", EVAL_BATCH_NORM, (Ref(part), *sliced, *reader.args[5:]), like=reader)
+        outputs.append(new.element(normed, 0))
+        start += channels
+    joined = new.add("cat", aten.cat.default, (outputs, 1))
+    items = graph.consumers[reader.name]
+    rename = dict.fromkeys(items, joined.name)
+    graph = graph.replace(remove=[concat, reader.name, *items], add=new.nodes, rename=rename)
+    return graph, joined.name

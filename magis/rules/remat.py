@@ -461,11 +461,16 @@ def _key(graph: Graph, node: Node) -> str:
 def de_remat(graph: Graph, order: Sequence[str] | None = None) -> list[Rewrite]:
     """De-re-materialization candidates (MAGIS §5.2): every node that allocates memory and
     computes what an earlier node computes (same operator, same inputs; never a random op)
-    is merged into it, and then every pair of readers that has become the same, and so on."""
+    is merged into it, and then every pair of readers that has become the same, and so on;
+    and, where there are several, all of them at once. Not only recomputations undone: a
+    framework runs what the module says, and two modules beginning with the same operator on
+    one tensor compute it twice (each operation of a NAS cell rectifies its input state)."""
     order = tuple(order) if order is not None else tuple(n.name for n in graph.nodes)
+    pairs = duplicates(graph, order)
+    every = [merged_duplicates(graph, order, pairs, description="de-remat every duplicate")] if len(pairs) > 1 else []
     return [
-        merged_duplicates(graph, order, [pair], description=f"de-remat {pair[0]} into {pair[1]}")
-        for pair in duplicates(graph, order)
+        *(merged_duplicates(graph, order, [pair], description=f"de-remat {pair[0]} into {pair[1]}") for pair in pairs),
+        *every,
     ]
 
 

@@ -132,12 +132,13 @@ def swap(graph: Graph, order: Sequence[str] | None = None, model: CostModel | No
 
 def _holder(graph: Graph, saved: SavedTensor) -> str | None:
     """The node whose value is the whole saved storage: its owner, or the ``getitem`` of
-    the owner's element. ``None`` for a loaded tensor (never swapped again) or an element
+    the owner's element. ``None`` for a loaded tensor (never swapped again), a storage an
+    in-place operator writes after its owner (:mod:`magis.rules.in_place`) or an element
     nothing reads whole."""
     owner, element = saved.storage
     node = graph[owner]
-    if isinstance(node.target, Load):
-        return None
+    if isinstance(node.target, Load) or saved.storage in graph.writers:
+        return None  # a storage an operator writes in place: its owner's value is not the one saved
     if not node.tuple_output:
         return owner
     return next(

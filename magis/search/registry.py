@@ -29,11 +29,14 @@ from magis.analysis.ftree import FTree
 from magis.ir.graph import Graph
 from magis.rules import (
     algebraic,
+    canonical,
     compact,
+    concat_in_place,
     early_update,
     ftree_mutation,
     identity,
     in_place,
+    multiply_add,
     output_backward,
     remat,
     swap,
@@ -106,11 +109,15 @@ register_ftree_rule("disable", ftree_mutation.disable)
 register_ftree_rule("mutate", ftree_mutation.mutate)
 register_graph_rule("concat-conv", identity.concat_conv_rewrites)
 register_graph_rule("concat-depthwise", identity.concat_depthwise_rewrites)
+register_graph_rule("concat-sink", identity.concat_sink_rewrites)
 register_graph_rule("bias-out", identity.bias_out_rewrites, scheduled=True)
 register_graph_rule("tile", tiling.tile_rewrites, scheduled=True)
 register_graph_rule("backward-from-output", output_backward.backward_from_outputs)
 register_graph_rule("batch-norm-from-output", output_backward.batch_norms_from_outputs)
 register_graph_rule("in-place", in_place.in_place_rewrites)
+register_graph_rule("multiply-add", multiply_add.multiply_add_rewrites)
+register_graph_rule("canonical", canonical.canonical_rewrites)
+register_graph_rule("concat-in-place", concat_in_place.concat_in_place_rewrites)
 register_graph_rule("tied-gradient", tied_gradient.tied_gradient_rewrites)
 register_graph_rule("merge-matmuls", algebraic.merge_rewrites)
 register_graph_rule("split-matmuls", algebraic.split_rewrites)
