@@ -14,7 +14,7 @@ from torch import nn
 import magis
 from magis.api import measure_against_eager
 from magis.cost.memory import simulate_memory
-from magis.frontend.capture import capture_forward
+from magis.frontend.capture import capture, capture_forward
 from magis.ir.graph import Graph, writes
 from magis.models import ZOO
 from magis.rules.canonical import canonical, canonical_rewrites
@@ -280,3 +280,17 @@ def test_the_search_plans_a_serenity_network_with_them_and_runs_it_as_eager():
     assert plan.peak_bytes <= simulate_memory(rewritten, schedule(rewritten, 5).order).peak
     with torch.no_grad():
         torch.testing.assert_close(plan(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_rewrites_at_once_keep_a_training_steps_gradients():
+    """A language model's step: concatenations with empty 1-D parts (which ``cat`` skips) are
+    left alone, the forward's sums go in place, the gradients stay eager's."""
+    built = ZOO["gpt-neo-1.3b"].build("tiny", seed=0)
+    model = built.model.double()
+    graph = capture(model, built.example_inputs, built.loss_fn)
+    rewritten = canonical(graph)
+    assert any(writes(n) for n in rewritten.nodes)
+    schedule_order = schedule(rewritten, 5).order
+    result = measure_against_eager(rewritten, schedule_order, model, built.example_inputs, built.loss_fn)
+    assert result["measured_peak_bytes"] == simulate_memory(rewritten, schedule_order).peak
+    assert result["max_grad_error"] <= ROUNDING and not result["missing_gradients"]

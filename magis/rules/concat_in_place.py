@@ -51,6 +51,9 @@ def find_concats_in_place(graph: Graph) -> list[str]:
         parts = [ref.name for ref in parsed[0]]
         if any(graph[p].is_input or p in graph.persistent for p in parts):
             continue
+        rank, dtype = len(node.meta.shape), node.meta.dtype
+        if any(len(graph[p].meta.shape) != rank or graph[p].meta.dtype != dtype for p in parts):
+            continue  # an empty 1-D part (``cat`` skips those) or a part the concatenation casts
         if any(_freed_by_copy(graph, p, node.name, readers) for p in parts):
             found.append(node.name)
     return found

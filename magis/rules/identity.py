@@ -265,6 +265,9 @@ def _sunk_through(graph: Graph, concat: str) -> Any:
     readers = graph.consumers[concat]
     if len(parts) < 2 or dim % len(node.meta.shape) != 1 or len(set(parts)) != len(parts) or len(readers) != 1:
         return None
+    around = node.meta.shape[:1] + node.meta.shape[2:]
+    if any(graph[p].meta.shape[:1] + graph[p].meta.shape[2:] != around for p in parts):
+        return None  # an empty 1-D part (``cat`` skips those)
     reader = graph[readers[0]]
     if not reader.args or reader.args[0] != Ref(concat) or sum(r == Ref(concat) for r in reader.refs) != 1:
         return None
