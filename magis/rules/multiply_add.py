@@ -6,7 +6,9 @@ reads it; a schedule that computes products early, to free their operands, holds
 at once. ``add(a, mul(b, c))`` run as ``addcmul(a, b, c)`` never makes the product, and with
 the sum then written into ``a`` (:mod:`magis.rules.in_place`) a whole aggregation holds one
 accumulator. The kernel rounds ``a + b·c`` once where the pair rounds twice (a fused
-multiply-add): results within a unit in the last place of the pair's, not bit for bit.
+multiply-add): results within a unit in the last place of the pair's, not bit for bit, so
+only in an inference plan: a training step's forward feeds its gradients, which Adam's
+first updates, ``g / (|g| + eps)``, magnify where they are near zero.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def find_multiply_adds(graph: Graph) -> dict[str, int]:
     """Each sum ``add(a, b)`` of ``graph`` one of whose terms is a product that nothing else
     reads, of operands laid out as the sum (or single numbers), all of the sum's dtype: the
     sum's name and the position of that term."""
+    if not graph.signature.inference:
+        return {}  # module docstring: a training step keeps its forward's rounding
     found = {}
     outputs = set(graph.outputs)
     for node in graph.nodes:
