@@ -1,7 +1,8 @@
 """Rewrites that cost no time and lower a forward's peak (Serenity's networks, issue #31): batch norm,
 sums and multiply-adds run in place (magis.rules.in_place), concatenations moved past the
 per-channel operators reading them (magis.rules.identity.sink_concat), sums of products fused
-(magis.rules.multiply_add), every repeated operator computed once (magis.rules.remat.de_remat).
+(magis.rules.multiply_add), every repeated operator computed once (magis.rules.remat.de_remat),
+pointwise convolutions of one sample as matrix products (magis.rules.pointwise_matmul).
 Each on a user's module against eager: exact where the kernels are eager's, within float64
 rounding where a sum changes order; the measured peak is the simulated one."""
 
@@ -22,6 +23,7 @@ from magis.rules.concat_in_place import concat_in_place, concat_in_place_rewrite
 from magis.rules.identity import concat_sink_rewrites, find_concat_sinks, sink_concat
 from magis.rules.in_place import EVAL_BATCH_NORM_INTO, in_place, in_place_candidates, in_place_rewrites
 from magis.rules.multiply_add import find_multiply_adds, fuse_multiply_adds, multiply_add_rewrites
+from magis.rules.pointwise_matmul import as_matmuls, find_pointwise_convolutions, pointwise_matmul_rewrites
 from magis.rules.remat import de_remat
 from magis.schedule import schedule
 
@@ -246,6 +248,40 @@ def test_a_concatenation_assembled_in_place_holds_one_part_beside_the_result():
     assert before - after == 6 * band - 4 * band
 
 
+class Pointwise(nn.Module):
+    """1x1 convolutions with and without a bias, beside ones that are no matrix product of the
+    map (3x3, strided, grouped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spatial = nn.Conv2d(3, 8, 3, padding=1)
+        self.mix = nn.Conv2d(8, 8, 1)
+        self.project = nn.Conv2d(8, 4, 1, bias=False)
+        self.strided = nn.Conv2d(4, 4, 1, stride=2)
+        self.grouped = nn.Conv2d(4, 4, 1, groups=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(torch.relu(self.mix(self.spatial(x))))
+        return self.grouped(self.strided(y))
+
+
+def test_a_pointwise_convolution_of_one_sample_runs_as_a_matrix_product():
+    model = eval_model(Pointwise())
+    x = torch.randn(1, 3, 12, 12, dtype=torch.float64)
+    graph = capture_forward(model, (x,)).graph
+    found = find_pointwise_convolutions(graph)
+    assert len(found) == 2  # mix and project; not the 3x3, strided or grouped ones
+    rewritten = as_matmuls(graph, found)
+    targets = [n.target for n in rewritten.nodes]
+    assert targets.count(aten.convolution.default) == 3
+    assert targets.count(aten.addmm.default) == 1 and targets.count(aten.mm.default) == 1
+    _, error = measured(rewritten, order(rewritten), model, x)
+    assert error <= ROUNDING
+    # more than one sample, or a training step: no rewrite
+    assert not find_pointwise_convolutions(capture_forward(model, (torch.cat([x, x]),)).graph)
+    assert not find_pointwise_convolutions(capture(model, (x,), lambda out: out.sum()))
+
+
 @pytest.mark.parametrize("name", ["darts-imagenet", "swiftnet-hpd", "randwire-cifar10"])
 @pytest.mark.parametrize(
     "rule",
@@ -253,6 +289,7 @@ def test_a_concatenation_assembled_in_place_holds_one_part_beside_the_result():
         concat_sink_rewrites,
         concat_in_place_rewrites,
         multiply_add_rewrites,
+        pointwise_matmul_rewrites,
         de_remat,
         in_place_rewrites,
         canonical_rewrites,

@@ -326,6 +326,22 @@ def test_better_than_and_the_relaxed_acceptance_per_mode():
         Objective("memory")
 
 
+def test_the_queue_takes_of_two_equal_peaks_the_one_lower_away_from_it_first():
+    def s(timeline, latency):
+        return SimpleNamespace(peak_bytes=max(timeline), latency_s=latency, memory=SimpleNamespace(timeline=timeline))
+
+    coarse, fine = s((90, 100, 80), 1.0), s((60, 100, 50), 1.2)  # a stem in four bands, in eight
+    latency = Objective("latency", latency_s=2.0)
+    assert latency.queue_rank(fine) < latency.queue_rank(coarse)
+    assert latency.better_than(coarse, fine)  # yet as a plan, the faster of two equal peaks is better
+    over = s((60, 100, 50), 2.5)  # beyond the latency limit: ranked by latency, as before
+    assert latency.queue_rank(over) == latency.rank(100, 2.5)
+    memory = Objective("memory", memory_bytes=50)  # neither fits: lower peak, then the profile
+    assert memory.queue_rank(fine) < memory.queue_rank(coarse)
+    fits = Objective("memory", memory_bytes=100)  # both fit: lower latency first, as before
+    assert fits.queue_rank(coarse) < fits.queue_rank(fine)
+
+
 def test_first_level_fissions_each_root_at_every_fission_number():
     """With no rule to apply, the search keeps its first level: each root of the F-Tree
     at every fission number is a state, so the lowest peak is the root's best split."""

@@ -39,7 +39,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> Strides:
     return tuple(reversed(strides))
 
 
-def _is_contiguous(shape: tuple[int, ...], strides: Strides) -> bool:
+def is_row_major(shape: tuple[int, ...], strides: Strides) -> bool:
     """Row-major, ignoring the stride of size-1 dimensions (it never matters)."""
     return all(s == c for size, s, c in zip(shape, strides, contiguous_strides(shape)) if size != 1)
 
@@ -90,7 +90,7 @@ def op_key(graph: Graph, name: str, strides: Mapping[str, NodeStrides]) -> str:
             if meta is None:
                 parts.append("None")
                 continue
-            layout = "" if _is_contiguous(meta.shape, stride) else f"@{list(stride)}"
+            layout = "" if is_row_major(meta.shape, stride) else f"@{list(stride)}"
             parts.append(f"{str(meta.dtype).removeprefix('torch.')}{list(meta.shape)}{layout}")
         return "T(" + ",".join(parts) + ")"
 

@@ -9,15 +9,18 @@ of seconds takes. This rule is the whole chain as one step, from which the searc
 1. concatenations moved past the per-channel operators reading them, and into partial
    convolutions (:func:`magis.rules.identity.sink_concat`, Serenity's partitionings), until
    none is left;
-2. every operator that repeats an earlier one computed once (:func:`magis.rules.remat.duplicates`);
-3. sums of products fused (:mod:`magis.rules.multiply_add`);
-4. concatenations whose parts can be freed early assembled in place
+2. pointwise convolutions of one sample run as matrix products
+   (:mod:`magis.rules.pointwise_matmul`; the partial convolutions of step 1 among them);
+3. every operator that repeats an earlier one computed once (:func:`magis.rules.remat.duplicates`);
+4. sums of products fused (:mod:`magis.rules.multiply_add`);
+5. concatenations whose parts can be freed early assembled in place
    (:mod:`magis.rules.concat_in_place`);
-5. every operator that can, run in place (:mod:`magis.rules.in_place`).
+6. every operator that can, run in place (:mod:`magis.rules.in_place`).
 
-Each keeps the values (bit for bit, but for the partitionings' and multiply-adds' rounding)
+Each keeps the values (bit for bit, but for the partitionings', products' and multiply-adds' rounding)
 and moves no more bytes than before; the partial convolutions replace one convolution and a
-concatenation by as many smaller convolutions as there were parts, and a concatenation
+concatenation by as many smaller convolutions as there were parts (as products, each costs
+its arithmetic), and a concatenation
 assembled in place copies part by part.
 """
 
@@ -35,6 +38,7 @@ from magis.rules.identity import (
 )
 from magis.rules.in_place import in_place, in_place_candidates
 from magis.rules.multiply_add import find_multiply_adds, fuse_multiply_adds
+from magis.rules.pointwise_matmul import as_matmuls, find_pointwise_convolutions
 from magis.rules.remat import duplicates, merged_duplicates
 from magis.rules.rewrite import Rewrite
 
@@ -53,8 +57,9 @@ def partitioned(graph: Graph) -> Graph:
 
 
 def canonical(graph: Graph) -> Graph:
-    """``graph`` after steps 1-5 of the module docstring."""
+    """``graph`` after steps 1-6 of the module docstring."""
     graph = partitioned(graph)
+    graph = as_matmuls(graph, find_pointwise_convolutions(graph))
     order = tuple(n.name for n in graph.nodes)
     if pairs := duplicates(graph, order):
         graph = merged_duplicates(graph, order, pairs).graph

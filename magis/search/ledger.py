@@ -97,8 +97,7 @@ class Ledger:
                 self.stats.first_feasible_s = time.perf_counter() - self.start
             self.bar.set_postfix_str(f"best peak {state.peak_bytes / 2**20:.2f} MiB, {state.latency_s * 1e3:.3f} ms")
         if push:
-            rank = self.objective.rank(state.peak_bytes, state.latency_s)
-            heapq.heappush(self.queue, (rank, next(self.counter), state))
+            heapq.heappush(self.queue, (self.objective.queue_rank(state), next(self.counter), state))
 
     def pop(self) -> MState:
         """The best state queued (Alg. 3, line 12), taken off the queue."""

@@ -38,6 +38,7 @@ from magis.rules import (
     in_place,
     multiply_add,
     output_backward,
+    pointwise_matmul,
     remat,
     swap,
     tied_gradient,
@@ -116,6 +117,7 @@ register_graph_rule("backward-from-output", output_backward.backward_from_output
 register_graph_rule("batch-norm-from-output", output_backward.batch_norms_from_outputs)
 register_graph_rule("in-place", in_place.in_place_rewrites)
 register_graph_rule("multiply-add", multiply_add.multiply_add_rewrites)
+register_graph_rule("pointwise-matmul", pointwise_matmul.pointwise_matmul_rewrites)
 register_graph_rule("canonical", canonical.canonical_rewrites)
 register_graph_rule("concat-in-place", concat_in_place.concat_in_place_rewrites)
 register_graph_rule("tied-gradient", tied_gradient.tied_gradient_rewrites)
