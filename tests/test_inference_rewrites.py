@@ -331,3 +331,18 @@ def test_the_rewrites_at_once_keep_a_training_steps_gradients():
     result = measure_against_eager(rewritten, schedule_order, model, built.example_inputs, built.loss_fn)
     assert result["measured_peak_bytes"] == simulate_memory(rewritten, schedule_order).peak
     assert result["max_grad_error"] <= ROUNDING and not result["missing_gradients"]
+
+
+def test_the_first_level_of_an_inference_search_holds_every_free_rewrite_at_once():
+    """Before the main loop expands any state, canonical's rewrite of the captured forward is a
+    state: with every other state's peak higher, it is the plan."""
+    built = ZOO["swiftnet-hpd"].build("tiny", seed=0)
+    model, (x,) = built.model, built.example_inputs
+    graph = capture_forward(model, (x,)).graph
+    rewritten = canonical(graph)
+    free = simulate_memory(rewritten, schedule(rewritten, 5).order).peak
+    plan = magis.optimize(model, (x,), inference=True, latency_limit=5.0, device="a100", max_states=3, progress=False)
+    assert plan.search.stats.rules.get("canonical") == 1 and plan.search.stats.expanded == 0
+    assert plan.peak_bytes <= free
+    with torch.no_grad():
+        torch.testing.assert_close(plan(x), model(x), rtol=1e-5, atol=1e-6)
