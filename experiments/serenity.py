@@ -22,7 +22,9 @@ at ``--preset`` (``paper``: batch 1) and captured forward-only
 
 Each order is also run for real on this CPU (``--device cuda``: on the GPU, ``magis`` priced by
 the ``--cost-model`` profile, h200 by default): measured peak (:mod:`magis.backend.meter`) against
-simulated, outputs against eager's forward. Prints and writes, per network and on average, the
+simulated, outputs against eager's forward; ``magis``' plan is also timed against eager's forward
+(:func:`yardstick.protocol.interleaved_timings`: its simulated latency is the search's estimate).
+Prints and writes, per network and on average, the
 reduction factors (PyTorch's peak over each), and the identity rewrites' share (the factor with
 rewrites over the factor without). Writes ``<out>/serenity-<preset>.json`` and ``.png``.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +52,7 @@ from magis.models import PRESETS, ZOO, Built
 from magis.rules.canonical import canonical
 from magis.rules.identity import apply_concat_conv, apply_concat_depthwise, find_concat_conv, find_concat_depthwise
 from magis.schedule import schedule
+from yardstick.protocol import Estimate, interleaved_timings
 
 ORDERS = ("pytorch", "kahn", "serenity", "serenity+rewrites", "all-rewrites", "magis")
 
@@ -66,6 +70,24 @@ def rewritten(graph: Graph) -> tuple[Graph, int]:
         else:
             return graph, applied
         applied += 1
+
+
+def measured_latency(model: torch.nn.Module, inputs: tuple, plan: magis.Plan, device: torch.device) -> dict:
+    """magis' plan timed against eager's forward by the yardstick's protocol (rounds of eager,
+    plan, eager; the trimmed mean of the plan's ratios, and its standard error)."""
+
+    def timed(forward) -> Callable:
+        def step(_context):
+            with torch.no_grad():
+                forward(*inputs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return step
+
+    timings = interleaved_timings({"eager": timed(model), "magis": timed(plan)}, "eager")
+    ratio = Estimate.trimmed_mean(timings["magis"].ratios)
+    return {"ratio": ratio.value, "stderr": ratio.stderr, "rounds": len(timings["magis"].ratios)}
 
 
 def measure_network(name: str, preset: str, args: argparse.Namespace) -> dict:
@@ -118,6 +140,7 @@ def measure_network(name: str, preset: str, args: argparse.Namespace) -> dict:
         "identity_rewrites": rewrites,
         "rewrites_kept": better,
         "magis_latency_ratio": plan.report().latency_ratio,
+        "magis_measured_latency": measured_latency(model, inputs, plan, args.device),
         "magis_steps": [s.rule for s in plan.search.best.steps],
         "orders": rows,
         "reduction_vs_pytorch": {k: base / r["activation_peak_bytes"] for k, r in rows.items()},
@@ -180,7 +203,11 @@ def main() -> None:
     plot(rows, out.with_suffix(".png"))
     for r in rows:
         factors = ", ".join(f"{k} {v:.2f}x" for k, v in r["reduction_vs_pytorch"].items())
-        print(f"{r['network']}: {r['nodes']} nodes; reduction vs PyTorch's order: {factors}")
+        latency = r["magis_measured_latency"]
+        print(
+            f"{r['network']}: {r['nodes']} nodes; reduction vs PyTorch's order: {factors}; magis' latency "
+            f"{r['magis_latency_ratio']:.3f} simulated, {latency['ratio']:.3f} ± {latency['stderr']:.3f} measured"
+        )
     print(", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
 
