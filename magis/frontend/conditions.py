@@ -59,6 +59,8 @@ def autocast_state() -> tuple[tuple[str, torch.dtype | None], ...]:
 
 def _hook_names(hooks: dict) -> tuple[str, ...]:
     """The hooks' function names: the same in another process, unlike their handles."""
+    if not hooks:  # nearly every module's: a plan checks them at every call (Conditions.check)
+        return ()
     return tuple(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks.values())
 
 
@@ -68,20 +70,17 @@ def _is_plain(value: Any) -> bool:
 
 def module_records(model: torch.nn.Module) -> tuple[ModuleRecord, ...]:
     """Every submodule of ``model`` as a step sees it, in ``named_modules()`` order (module docstring)."""
-    return tuple(
-        (
-            name,
-            type(module).__qualname__,
-            module.training,
-            tuple(_hook_names(getattr(module, attr)) for attr in MODULE_HOOKS),
-            tuple(
-                (key, value)
-                for key, value in vars(module).items()
-                if key[0] != "_" and key != "training" and _is_plain(value)
-            ),
+    records = []
+    for name, module in model.named_modules():
+        attributes = vars(module)
+        hooks = tuple(_hook_names(attributes[attr]) for attr in MODULE_HOOKS)
+        settings = tuple(
+            (key, value)
+            for key, value in attributes.items()
+            if key[0] != "_" and key != "training" and _is_plain(value)
         )
-        for name, module in model.named_modules()
-    )
+        records.append((name, type(module).__qualname__, module.training, hooks, settings))
+    return tuple(records)
 
 
 @dataclass(frozen=True)
