@@ -17,11 +17,11 @@ of seconds takes. This rule is the whole chain as one step, from which the searc
    (:mod:`magis.rules.concat_in_place`);
 6. every operator that can, run in place (:mod:`magis.rules.in_place`).
 
-Each keeps the values (bit for bit, but for the partitionings', products' and multiply-adds' rounding)
-and moves no more bytes than before; the partial convolutions replace one convolution and a
-concatenation by as many smaller convolutions as there were parts (as products, each costs
-its arithmetic), and a concatenation
-assembled in place copies part by part.
+Each keeps the values (bit for bit, but for the partitionings', products' and multiply-adds'
+rounding) and moves no more bytes than before; the partial convolutions replace one
+convolution and a concatenation by as many smaller convolutions as there were parts (as
+products, each costs its arithmetic), and a concatenation assembled in place copies part by
+part.
 """
 
 from __future__ import annotations
