@@ -282,6 +282,52 @@ def test_a_pointwise_convolution_of_one_sample_runs_as_a_matrix_product():
     assert not find_pointwise_convolutions(capture(model, (x,), lambda out: out.sum()))
 
 
+def test_partial_products_of_a_partitioned_convolution_accumulate_into_one_matrix():
+    model = ConcatSeparable()
+    model.pointwise = nn.Conv2d(8, 32, 1)  # outputs wider than the parts: the partial products set the peak
+    model = eval_model(model)
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    graph = capture_forward(model, (x,)).graph
+    (sunk,) = concat_sink_rewrites(graph)
+    products = as_matmuls(sunk.graph, find_pointwise_convolutions(sunk.graph))
+    found = find_multiply_adds(products)
+    assert len(found) == 1  # the pointwise convolution's two parts: one sum
+    (summed,) = in_place_rewrites(products)
+    (accumulated,) = in_place_rewrites(fuse_multiply_adds(products, found))
+    targets = [n.target for n in accumulated.graph.nodes]
+    assert targets.count(aten.addmm_.default) == 1 and aten.mm.default not in targets
+    assert aten.add.Tensor not in targets and aten.add_.Tensor not in targets
+    before, _ = measured(summed.graph, schedule(summed.graph, 5).order, model, x)
+    after, error = measured(accumulated.graph, schedule(accumulated.graph, 5).order, model, x)
+    assert after < before and error <= ROUNDING
+
+
+class ResidualMatmul(nn.Module):
+    """A residual sum of a matrix product (no bias), beside one whose product another op reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + torch.mm(torch.tanh(x), self.inner)
+        shared = torch.mm(h, self.outer)
+        return h + shared + shared.exp()
+
+
+def test_a_sum_of_a_matrix_product_runs_as_one_addmm():
+    model = ResidualMatmul().double().eval()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    graph = capture_forward(model, (x,)).graph
+    found = find_multiply_adds(graph)
+    assert len(found) == 1  # not the product that exp also reads
+    fused = fuse_multiply_adds(graph, found)
+    assert [n.target for n in fused.nodes].count(aten.mm.default) == 1
+    assert [n.target for n in fused.nodes].count(aten.addmm.default) == 1
+    _, error = measured(fused, order(fused), model, x)
+    assert error <= ROUNDING
+
+
 @pytest.mark.parametrize("name", ["darts-imagenet", "swiftnet-hpd", "randwire-cifar10"])
 @pytest.mark.parametrize(
     "rule",

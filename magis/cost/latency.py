@@ -54,9 +54,10 @@ from magis.ir.graph import Graph, Node, Role, is_view
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-#: CPU kernels that compute what a registered (CUDA) kernel computes: a graph captured
-#: on CPU holds them, and the analytic model may price that graph for a GPU.
+#: kernels torch's flop counter has no formula for, and the registered kernel whose FLOPs they
+#: do: CPU kernels of CUDA ones (a graph captured on CPU may be priced for a GPU), in-place twins.
 _FLOP_ALIASES = {
+    aten.addmm_: aten.addmm,  # a matrix product accumulated in place (magis.rules.multiply_add)
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
 }

@@ -12,6 +12,9 @@ at once; in place, one tensor. The values are the same kernel's, bit for bit. Th
   into its first argument, or into either argument of a sum or product (IEEE addition and
   multiplication do not depend on operand order): a residual connection's sum, the running
   sum of a weighted aggregation (RandWire's nodes, :mod:`magis.rules.multiply_add`);
+- a matrix product accumulated into its first argument (``addmm``: the partial products of a
+  partitioned convolution, :mod:`magis.rules.multiply_add`); BLAS reads and writes each
+  element of it once, with ``beta = 1``;
 - batch norm in eval mode (an inference plan's), through ``native_batch_norm.out`` with its
   input as ``out``: the convolution's output it normalises. The kernel reads and writes each
   element at the same index, with the functional op's arithmetic.
@@ -58,13 +61,14 @@ IN_PLACE = {
     aten.tanh.default: aten.tanh_.default,
     aten.hardswish.default: aten.hardswish_.default,
 }
-#: elementwise ops of several tensors: their in-place twins (the first argument written)
+#: ops elementwise in their first argument: their in-place twins (that argument written)
 ELEMENTWISE_IN_PLACE = {
     aten.add.Tensor: aten.add_.Tensor,
     aten.mul.Tensor: aten.mul_.Tensor,
     aten.sub.Tensor: aten.sub_.Tensor,
     aten.div.Tensor: aten.div_.Tensor,
     aten.addcmul.default: aten.addcmul_.default,
+    aten.addmm.default: aten.addmm_.default,
 }
 #: the binary ops whose arguments may swap: IEEE sums and products do not depend on operand order
 COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor})
