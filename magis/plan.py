@@ -49,7 +49,14 @@ from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.frontend.conditions import Conditions, autocast_off
 from magis.frontend.grad_seed import seeded
-from magis.frontend.optimizer import GradientNorm, ParameterUpdate, unplanned_reason
+from magis.frontend.optimizer import (
+    GradientNorm,
+    OptimizerError,
+    ParameterUpdate,
+    group_layout,
+    layout_difference,
+    unplanned_reason,
+)
 from magis.frontend.step import BatchSpec, StepOutput, user_model
 from magis.ir.graph import Graph
 from magis.plan_file import read_plan_file, write_plan_file
@@ -357,8 +364,13 @@ def load_plan(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
     saved = read_plan_file(path, model)
     if set(saved) != set(_SAVED_FIELDS):
         raise ValueError(f"{path} holds a plan of another layout ({sorted(set(saved) ^ set(_SAVED_FIELDS))})")
-    if saved["graph"].signature.optimizer and optimizer is None:
+    signature = saved["graph"].signature
+    if signature.optimizer and optimizer is None:
         raise ValueError(f"{path} holds a plan that updates the parameters: load_plan(path, model, optimizer)")
+    if signature.optimizer:
+        difference = layout_difference(signature.optimizer_groups, group_layout(optimizer, model))
+        if difference is not None:
+            raise OptimizerError(f"{path}: {difference}")
     return Plan(model=model, cost_model=cost_model(saved["device"], estimate_unseen=True), optimizer=optimizer, **saved)
 
 

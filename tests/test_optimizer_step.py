@@ -78,6 +78,8 @@ def _optimizer(
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.1), None
     if kind == "adam":
         return torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-3), None
+    if kind == "adam-decoupled":  # AdamW's update from Adam (torch >= 2.6)
+        return torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch))
 
@@ -152,6 +154,19 @@ def test_ten_steps_equal_eager(workload: str, kind: str) -> None:
     measured = meter.reading().peak_bytes
     assert abs(measured - plan.peak_bytes) <= 0.02 * plan.peak_bytes, (measured, plan.peak_bytes)
     assert measured <= 1.02 * plan.objective.memory_bytes
+
+
+@pytest.mark.skipif(
+    "decoupled_weight_decay" not in torch.optim.Adam.__init__.__code__.co_varnames, reason="torch < 2.6"
+)
+def test_adam_with_decoupled_weight_decay_steps_as_eager() -> None:
+    test_ten_steps_equal_eager("dropout", "adam-decoupled")
+    model, batch = _workload("dropout")
+    opt, _ = _optimizer("adam-decoupled", model)
+    plan = magis.optimize(model, batch, training_step=_loss, optimizer=opt, time_budget=5, progress=False)
+    opt.param_groups[0]["decoupled_weight_decay"] = False  # another update: refused, not run as planned
+    with pytest.raises(ValueError, match="decoupled_weight_decay is False"):
+        plan(*batch)
 
 
 def _resident(model, opt, batch):
@@ -259,6 +274,8 @@ def test_whole_step_refuses_what_it_cannot_do_right(tmp_path) -> None:
     path = plan.save(tmp_path / "step.plan")
     with pytest.raises(ValueError, match="optimizer"):
         magis.load_plan(path, model)
+    with pytest.raises(ValueError, match="optimizer is AdamW; the plan was made for SGD"):
+        magis.load_plan(path, model, torch.optim.AdamW(model.parameters()))  # refused before any step
     loaded = magis.load_plan(path, model, opt)
     before = [p.clone() for p in model.parameters()]
     loaded(*batch)

@@ -45,7 +45,7 @@ PLANNED_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.op
 #: the others (lr, betas, eps, weight_decay, momentum, dampening) are read at each call
 _STRUCTURE = {
     "sgd": ("nesterov", "maximize", "foreach", "fused", "differentiable"),
-    "adam": ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"),
+    "adam": ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"),
     "adamw": ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"),
 }
 #: bytes moved per kernel of one update, in units of the parameter's bytes (for the latency model)
@@ -104,16 +104,17 @@ GroupLayout = tuple[tuple[tuple[str, ...], tuple[tuple[str, Any], ...]], ...]
 
 def group_layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> GroupLayout:
     """What of ``optimizer`` a planned update is made for: per param group, the names of its
-    parameters in ``model`` and the options of :data:`_STRUCTURE` (SGD's too: whether its
-    momentum is 0). Not the learning rate, betas or weight decay, which a scheduler may change
-    between calls and the update reads at each call."""
+    parameters in ``model``, the optimizer's class and the options of :data:`_STRUCTURE` (SGD's
+    too: whether it has momentum). Not the learning rate, betas or weight decay, which a
+    scheduler may change between calls and the update reads at each call."""
     kind = PLANNED_OPTIMIZERS.get(type(optimizer))
     names = {id(p): name for name, p in model.named_parameters()}
     return tuple(
         (
             tuple(names.get(id(p), "(not the model's)") for p in group["params"]),
-            tuple((option, group.get(option)) for option in _STRUCTURE.get(kind, ()))
-            + ((("momentum is 0", group["momentum"] == 0),) if kind == "sgd" else ()),
+            (("optimizer", type(optimizer).__name__),)
+            + tuple((option, group.get(option)) for option in _STRUCTURE.get(kind, ()))
+            + ((("momentum", group["momentum"] != 0),) if kind == "sgd" else ()),
         )
         for group in optimizer.param_groups
     )
@@ -132,6 +133,11 @@ def layout_difference(planned: GroupLayout, now: GroupLayout) -> str | None:
                 f"removed {removed}): optimize again"
             )
         for (option, value), (_, planned_value) in zip(options, planned_options):
+            if option == "optimizer" and value != planned_value:
+                return f"the optimizer is {value}; the plan was made for {planned_value}: pass that one, or optimize again"
+            if option == "momentum" and value != planned_value:
+                now, then = ("momentum", "none (momentum=0)") if value else ("no momentum (momentum=0)", "momentum")
+                return f"param group {i} has {now}; the plan was made with {then}: optimize again"
             if value != planned_value:
                 return (
                     f"param group {i}'s {option} is {value!r}; the plan was made for {planned_value!r}: optimize again"
@@ -273,6 +279,8 @@ class ParameterUpdate:
                 optimizer.keep_momentum_buffers(self.params, buffers)
         else:
             update = adamw if self.kind == "adamw" else adam
+            if self.kind == "adam" and group.get("decoupled_weight_decay"):  # Adam as AdamW (torch >= 2.6)
+                flags["decoupled_weight_decay"] = True
             update(
                 params,
                 grads,
@@ -345,7 +353,8 @@ def _update_workspace(kind: str, group: Mapping[str, Any], sizes: Sequence[int],
     if kind == "sgd":
         copies += int(group["weight_decay"] != 0) + int(bool(group["nesterov"]))
     else:
-        copies += int(kind == "adam" and group["weight_decay"] != 0) + (1 if foreach else 2)
+        coupled = kind == "adam" and not group.get("decoupled_weight_decay")
+        copies += int(coupled and group["weight_decay"] != 0) + (1 if foreach else 2)
     return copies * (sum(sizes) if foreach else max(sizes, default=0))
 
 
