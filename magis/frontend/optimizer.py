@@ -134,7 +134,7 @@ def layout_difference(planned: GroupLayout, now: GroupLayout) -> str | None:
             )
         for (option, value), (_, planned_value) in zip(options, planned_options):
             if option == "optimizer" and value != planned_value:
-                return f"the optimizer is {value}; the plan was made for {planned_value}: pass that one, or optimize again"
+                return f"the optimizer is {value}; the plan was made for {planned_value}: pass that, or optimize again"
             if option == "momentum" and value != planned_value:
                 now, then = ("momentum", "none (momentum=0)") if value else ("no momentum (momentum=0)", "momentum")
                 return f"param group {i} has {now}; the plan was made with {then}: optimize again"
