@@ -265,7 +265,9 @@ def optimize(
     if inference:
         _check_inference(loss_fn, training_step, optimizer, max_grad_norm)
     _check_optimizer(model, optimizer, max_grad_norm)
-    if latency_limit is not None and (isinstance(latency_limit, bool) or not latency_limit >= 1.0):
+    if latency_limit is not None and (
+        isinstance(latency_limit, bool) or not isinstance(latency_limit, (int, float)) or not latency_limit >= 1.0
+    ):
         raise ValueError(f"latency_limit is a ratio to the captured step's latency, at least 1; got {latency_limit!r}")
     if not time_budget > 0:
         raise ValueError(f"time_budget must be a positive number of seconds, got {time_budget!r}")
@@ -289,7 +291,8 @@ def optimize(
             graph, grad_seed = with_grad_seed(captured.graph, device_of_seed)
         graph = _with_device_workspaces(graph, model, fake)
         verification = _verification(graph, model, batch, step, seed, verify)
-        conditions = Conditions.of(model, gradients=not inference)  # as the capture and the check left it
+        # as the capture and the check left it
+        conditions = Conditions.of(model, gradients=not inference, step=(loss_fn, training_step))
         if optimizer is not None and unplanned_reason(optimizer) is None:
             graph = with_optimizer(graph, optimizer, model, max_grad_norm, on_cuda=device != "cpu")
         order = [n.name for n in graph.nodes]
@@ -331,6 +334,7 @@ def optimize(
         cuda_graphs=cuda_graphs,
         output_spec=captured.output_spec,
         step_output=captured.step_output,
+        step_functions=(loss_fn, training_step),
     )
     if not objective.met_by(best):  # the near miss goes with the error
         raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)

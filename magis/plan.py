@@ -31,6 +31,7 @@ captured order, what the magis runtime does without optimization.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -143,6 +144,8 @@ class Plan:
     cuda_graphs: bool = True  # on CUDA, replay the step as a CUDA graph (magis.backend.cuda_graph)
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)  # an inference plan's output structure
     step_output: StepOutput = field(default_factory=StepOutput, repr=False)  # what the training step returns
+    #: the user's loss_fn and training_step, whose global values each call checks (not saved)
+    step_functions: tuple[Callable[..., Any] | None, ...] = field(default=(), repr=False)
 
     @cached_property
     def program(self) -> Program:
@@ -169,7 +172,7 @@ class Plan:
             )
         given = self.batch.given(batch)
         inputs = self.batch.tensors(given)
-        self.conditions.check(self.model)
+        self.conditions.check(self.model, self.step_functions)
         if self.graph.signature.inference:
             return self._infer(inputs, grad_scale)
         self.batch.refuse_gradients(given)
@@ -351,7 +354,9 @@ def generated_step(program: Program, compile: bool = False) -> GeneratedStep:
 #: what a plan file holds: every field but the model and optimizer (the caller's), the cost model (made
 #: anew) and the runtime (how this process runs it)
 _SAVED_FIELDS = tuple(
-    f.name for f in fields(Plan) if f.name not in ("model", "cost_model", "optimizer", "runtime", "cuda_graphs")
+    f.name
+    for f in fields(Plan)
+    if f.name not in ("model", "cost_model", "optimizer", "runtime", "cuda_graphs", "step_functions")
 )
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,7 @@ class PlannedStep:
             return _run(plan, args)
         except DivisorError as err:  # the weights broke a choice the plan made (raised as it binds: nothing ran)
             warnings.warn(f"magis: planning again, {err}", stacklevel=2)
-            key = signature(self.model, args, self.optimizer)
+            key = signature(self.model, args, self.optimizer, self._functions())
             self.plans[key] = self._searched(args, self._path(args, key))
             return _run(self.plans[key], args)
 
@@ -117,7 +117,7 @@ class PlannedStep:
         return self._plan_of(_batch(batch))
 
     def _plan_of(self, args: tuple | Mapping) -> Plan:
-        key = signature(self.model, args, self.optimizer)
+        key = signature(self.model, args, self.optimizer, self._functions())
         plan = self.plans.get(key)
         if plan is None:
             plan = self._made_or_read(args, key)
@@ -158,6 +158,9 @@ class PlannedStep:
             warnings.warn(f"magis: could not keep the plan in {path}: {err}", stacklevel=3)
         return plan
 
+    def _functions(self) -> tuple[Callable[..., Any] | None, ...]:
+        return (self.step.loss_fn, self.step.training_step)
+
     def _step(self) -> dict[str, Any]:
         return {"loss_fn": self.step.loss_fn, "training_step": self.step.training_step}
 
@@ -171,7 +174,12 @@ def _batch(batch: tuple) -> tuple | Mapping:
     return batch[0] if len(batch) == 1 and isinstance(batch[0], Mapping) else batch
 
 
-def signature(model: torch.nn.Module, batch: tuple | Mapping, optimizer: torch.optim.Optimizer | None = None) -> tuple:
+def signature(
+    model: torch.nn.Module,
+    batch: tuple | Mapping,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: tuple[Callable[..., Any] | None, ...] = (),
+) -> tuple:
     """What a plan is made for beyond the model's code: the batch's structure and its tensors'
     shapes, dtypes and devices (other values as they are), every submodule's mode, class,
     settings and hooks, which parameters are trainable and the autocast state
@@ -183,7 +191,7 @@ def signature(model: torch.nn.Module, batch: tuple | Mapping, optimizer: torch.o
         for x in leaves
     )
     stepped = None if optimizer is None else (type(optimizer).__qualname__, group_layout(optimizer, model))
-    return (tree, described, Conditions.of(model), stepped)
+    return (tree, described, Conditions.of(model, step=step), stepped)
 
 
 def file_key(graph: Graph, signature: tuple, options: dict[str, Any]) -> str:

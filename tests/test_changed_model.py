@@ -7,6 +7,7 @@ plans the changed model again by itself."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,9 +24,10 @@ class Net(nn.Module):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4)
         self.act, self.drop = nn.ReLU(), nn.Dropout(0.1)
+        self.config = SimpleNamespace(scale=1.0)  # a setting in a config object, as transformers keeps them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(self.drop(self.act(self.b(self.act(self.a(x))))))
+        return self.c(self.drop(self.act(self.b(self.act(self.a(x)))))) * self.config.scale
 
 
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -59,6 +61,11 @@ def _dropout_rate(model):
     return lambda: setattr(model.drop, "p", 0.1)
 
 
+def _config(model):
+    model.config.scale = 2.0
+    return lambda: setattr(model.config, "scale", 1.0)
+
+
 def _forward_hook(model):
     return model.b.register_forward_hook(lambda module, args, out: 2 * out).remove
 
@@ -75,6 +82,7 @@ CHANGES = {
     "frozen": (_freeze, r"parameter 'a.weight' is frozen \(requires_grad=False\); the plan was made with it trainable"),
     "replaced": (_replace, "submodule 'act' is a Tanh; the plan was made with a ReLU there"),
     "dropout rate": (_dropout_rate, r"submodule 'drop' \(Dropout\) has p=0.5; the plan was made with p=0.1"),
+    "config": (_config, r"the model \(Net\) has config.scale=2.0; the plan was made with config.scale=1.0"),
     "forward hook": (_forward_hook, r"submodule 'b' has forward hooks \['_forward_hook.<locals>.<lambda>'\]; .* \[\]"),
     "global hook": (_global_hook, "torch.nn's global module forward hooks are"),
     "gradient hook": (_gradient_hook, r"parameter 'b.weight' has a hook on its gradient \(Tensor.register_hook\)"),
@@ -229,3 +237,33 @@ def test_a_model_cast_after_planning_is_refused_naming_a_parameter():
     model.float()
     plan(ids, labels)
     assert model[0].weight.grad.dtype == torch.float32
+
+
+SMOOTHING = 0.0  # read by smoothed_step from the module's globals, as users keep hyperparameters
+
+
+def smoothed_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, label_smoothing=SMOOTHING)
+
+
+def test_a_value_the_step_reads_from_its_globals_or_closure_is_checked_at_each_call(monkeypatch):
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = batch()
+    plan = magis.optimize(model, (x, y), training_step=smoothed_step, latency_limit=1.5, **SEARCH)
+    monkeypatch.setitem(globals(), "SMOOTHING", 0.3)
+    with pytest.raises(ValueError, match=r"smoothed_step\(\) reads SMOOTHING=0.3; the plan was made with SMOOTHING=0"):
+        plan(x, y)
+    monkeypatch.setitem(globals(), "SMOOTHING", 0.0)
+    plan(x, y)
+
+    weight = 1.0
+
+    def weighted(model, x, y):
+        return weight * step(model, x, y)
+
+    model.zero_grad()
+    plan = magis.optimize(model, (x, y), training_step=weighted, latency_limit=1.5, **SEARCH)
+    weight = 2.0
+    with pytest.raises(ValueError, match=r"weighted\(\) reads weight=2.0; the plan was made with weight=1.0"):
+        plan(x, y)

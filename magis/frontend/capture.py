@@ -19,9 +19,9 @@ import sys
 import sysconfig
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx
@@ -30,7 +30,12 @@ from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from magis.frontend.conditions import changed_while_traced, module_records, restore_settings
+from magis.frontend.conditions import (
+    changed_while_traced,
+    initialized_while_traced,
+    module_records,
+    restore_settings,
+)
 from magis.frontend.fx_graph import graph_from_fx
 from magis.frontend.rnn import ExactRNNs
 from magis.frontend.step import (
@@ -45,6 +50,8 @@ from magis.frontend.step import (
 )
 from magis.frontend.step import default_loss as default_loss  # re-exported: the peers' steps import it from here
 from magis.ir.graph import Graph
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -199,6 +206,11 @@ class _ForwardStep(StepModule):
             raise CaptureError(
                 "an inference plan returns the model's output tensors: the output holds "
                 + (f"a {others[0]}, which is not a tensor" if others else "no tensor")
+                + (
+                    " (a transformers model returns its key/value cache: set model.config.use_cache = False)"
+                    if any("Cache" in kind for kind in others)
+                    else ""
+                )
             )
         return tuple(leaves)
 
@@ -230,15 +242,18 @@ def capture_timed(
         raise CaptureError("the model has no parameter that requires grad: there is no training step to capture")
     start = time.perf_counter()
     example_inputs = spec.tensors(as_batch(batch))
+
+    def joint(inputs: tuple[Any, ...]) -> tuple[torch.fx.GraphModule, Any]:
+        try:
+            return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+        except AssertionError as err:
+            if "did not receive a gradient" not in str(err):
+                raise
+            with _frozen(_parameters_without_gradient(step, inputs)):
+                return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+
     try:
-        with _tracing(model, example_inputs) as inputs:
-            try:
-                gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
-            except AssertionError as err:
-                if "did not receive a gradient" not in str(err):
-                    raise
-                with _frozen(_parameters_without_gradient(step, inputs)):
-                    gm, sig = aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+        gm, sig = _traced(model, example_inputs, joint)
     except CaptureError:
         raise
     except Exception as err:
@@ -261,9 +276,13 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
     step = _ForwardStep(model, batch=spec)
     start = time.perf_counter()
     example_inputs = spec.tensors(as_batch(batch))
+
+    def forward(inputs: tuple[Any, ...]) -> tuple[torch.fx.GraphModule, Any]:
+        with torch.no_grad():
+            return aot_export_module(step, inputs, trace_joint=False)
+
     try:
-        with _tracing(model, example_inputs) as inputs, torch.no_grad():
-            gm, sig = aot_export_module(step, inputs, trace_joint=False)
+        gm, sig = _traced(model, example_inputs, forward)
     except CaptureError:
         raise
     except Exception as err:
@@ -271,6 +290,22 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start, step.output_spec)
+
+
+class _SettingsInitialized(CaptureError):
+    """A trace gave settings that were ``None`` a value (:func:`_traced` traces again)."""
+
+
+def _traced(model: torch.nn.Module, example_inputs: Sequence[Any], trace: Callable[[tuple[Any, ...]], T]) -> T:
+    """``trace(inputs)`` under :func:`_tracing`, once more where the first trace only initialised
+    settings (:func:`~magis.frontend.conditions.initialized_while_traced`): the graph is then
+    that of a call finding them set, as every later call does."""
+    try:
+        with _tracing(model, example_inputs) as inputs:
+            return trace(inputs)
+    except _SettingsInitialized:
+        with _tracing(model, example_inputs) as inputs:
+            return trace(inputs)
 
 
 @contextlib.contextmanager
@@ -289,8 +324,11 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
         planning_mode(model, example_inputs) as inputs,
     ):
         yield inputs
-    changed = changed_while_traced(before, module_records(model))
+    after = module_records(model)
+    changed = changed_while_traced(before, after)
     if changed is not None:
+        if initialized_while_traced(before, after):
+            raise _SettingsInitialized(changed)  # kept: every later call finds them set
         restore_settings(model, before)  # the model as the user gave it
         raise CaptureError(changed)
 

@@ -2,13 +2,17 @@
 
 A trace records what the model's Python did on that call, not the code: every submodule's
 train/eval mode (dropout and batch norm are traced as in training or evaluation), its
-class and its settings (a Dropout's ``p``, a layer's ``scale``), the hooks that ran
-around it, which parameters had gradients, and autocast's casts (traced into the graph
-as ``_to_copy`` ops). A plan runs the graph it was made for, so a call after any of them
-changed (a layer frozen or replaced, a dropout rate annealed, a hook added) would
-silently train another step; :meth:`Conditions.check` refuses it, naming what differs
+class and its settings (a Dropout's ``p``, a layer's ``scale``, a transformers layer's
+``config.scale_decoder_outputs``), the hooks that ran around it, which parameters had
+gradients, and autocast's casts (traced into the graph as ``_to_copy`` ops). A plan runs
+the graph it was made for, so a call after any of them changed (a layer frozen or
+replaced, a dropout rate annealed, a hook added) would silently train another step;
+:meth:`Conditions.check` refuses it, naming what differs
 (docs/design.md, "The user's side of the contract"). A module's *settings* are its public
-attributes of plain value (numbers, strings, booleans, ``None`` and tuples of them);
+attributes of plain value (numbers, strings, booleans, ``None`` and tuples of them), and
+those of the objects holding settings that it refers to (a config: any object with
+attributes that is neither a module, a tensor nor callable), as ``config.name``, each
+object recorded once, where it is first met (later, ``config`` is ``"(as <path>)"``);
 tensors are bound by name at every call, so new weights need no new plan.
 
 A hook on a parameter's gradient (``Tensor.register_hook``, or
@@ -24,9 +28,11 @@ region (a rotary embedding's ``enabled=False`` block) would be cast once more.
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +50,8 @@ MODULE_HOOKS = {
 #: torch.nn's hooks on every module (``register_module_forward_hook``...), by the attribute holding them
 GLOBAL_HOOKS = {f"_global{attr}": f"global module {what}" for attr, what in MODULE_HOOKS.items()}
 _PLAIN = (bool, int, float, str, type(None))
+#: how deep a config's configs are read (a transformers config's ``text_config``)
+SETTINGS_DEPTH = 2
 
 #: one module as a step was captured with it: (qualified name, class, training, hooks, settings)
 ModuleRecord = tuple[str, str, bool, tuple[tuple[str, ...], ...], tuple[tuple[str, Any], ...]]
@@ -68,17 +76,77 @@ def _is_plain(value: Any) -> bool:
     return type(value) in _PLAIN or (type(value) is tuple and all(type(item) in _PLAIN for item in value))
 
 
+def _holds_settings(value: Any) -> bool:
+    """An object whose attributes may be settings: a config (module docstring)."""
+    return (
+        hasattr(value, "__dict__")
+        and not callable(value)
+        and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType))
+    )
+
+
+def _settings(attributes: dict[str, Any], path: str, seen: dict[int, str], depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """The public plain attributes of ``attributes`` and of the configs they refer to (dotted
+    names, at most :data:`SETTINGS_DEPTH` deep), each config once (``seen``: where each was
+    first met, by identity)."""
+    for key, value in attributes.items():
+        if key[0] == "_" or key == "training":
+            continue
+        if _is_plain(value):
+            yield key, value
+        elif depth < SETTINGS_DEPTH and _holds_settings(value):
+            here = f"{path}.{key}" if path else key
+            first = seen.setdefault(id(value), here)
+            if first != here:
+                yield key, f"(as {first})"
+                continue
+            for inner, setting in _settings(vars(value), here, seen, depth + 1):
+                yield f"{key}.{inner}", setting
+
+
+def step_values(functions: Sequence[Callable | None]) -> tuple[tuple[str, Any], ...]:
+    """The plain values (module docstring) that ``functions`` (the user's ``training_step`` or
+    ``loss_fn``, and the functions and lambdas they define) read from their module's globals
+    or their closures, as ``("<function>: <name>", value)``: a trace holds them as constants
+    (a label smoothing kept in a global), as torch.compile's guards know. Functions they
+    call are not read."""
+    values: list[tuple[str, Any]] = []
+    for function in functions:
+        while isinstance(function, functools.partial):
+            function = function.func
+        code = getattr(function, "__code__", None)
+        if code is None:
+            continue  # not a Python function (a callable object, a builtin)
+        name = getattr(function, "__qualname__", code.co_name)
+        namespace = getattr(function, "__globals__", {})
+        read = sorted({n for n in _names_read(code) if n in namespace and _is_plain(namespace[n])})
+        values += [(f"{name}: {n}", namespace[n]) for n in read]
+        for variable, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not filled yet
+                continue
+            if _is_plain(value):
+                values.append((f"{name}: {variable}", value))
+    return tuple(values)
+
+
+def _names_read(code: types.CodeType) -> Iterator[str]:
+    """The global (and attribute) names ``code`` and the code objects it defines refer to."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _names_read(constant)
+
+
 def module_records(model: torch.nn.Module) -> tuple[ModuleRecord, ...]:
     """Every submodule of ``model`` as a step sees it, in ``named_modules()`` order (module docstring)."""
     records = []
+    seen: dict[int, str] = {}
     for name, module in model.named_modules():
         attributes = vars(module)
         hooks = tuple(_hook_names(attributes[attr]) for attr in MODULE_HOOKS)
-        settings = tuple(
-            (key, value)
-            for key, value in attributes.items()
-            if key[0] != "_" and key != "training" and _is_plain(value)
-        )
+        settings = tuple(_settings(attributes, name, seen))
         records.append((name, type(module).__qualname__, module.training, hooks, settings))
     return tuple(records)
 
@@ -92,20 +160,25 @@ class Conditions:
     trainable: tuple[tuple[str, bool, bool], ...]
     global_hooks: tuple[tuple[str, ...], ...]
     autocast: tuple[tuple[str, torch.dtype | None], ...]
+    #: the plain values the user's step functions read from their globals and closures (:func:`step_values`)
+    step: tuple[tuple[str, Any], ...] = ()
 
     @staticmethod
-    def of(model: torch.nn.Module, gradients: bool = True) -> Conditions:
+    def of(model: torch.nn.Module, gradients: bool = True, step: Sequence[Callable | None] = ()) -> Conditions:
         """The conditions here and now, for ``model`` (``gradients=False``: an inference, which
-        does not depend on which parameters are trainable)."""
+        does not depend on which parameters are trainable) and the user's step functions ``step``."""
         trainable = tuple((n, p.requires_grad, _hooked(p)) for n, p in model.named_parameters()) if gradients else ()
         global_hooks = tuple(_hook_names(getattr(nn_module, attr, {})) for attr in GLOBAL_HOOKS)
-        return Conditions(module_records(model), trainable, global_hooks, autocast_state())
+        return Conditions(module_records(model), trainable, global_hooks, autocast_state(), step_values(step))
 
-    def check(self, model: torch.nn.Module) -> None:
+    def check(self, model: torch.nn.Module, step: Sequence[Callable | None] = ()) -> None:
         """A ``ValueError`` naming the first thing that differs from what the step was captured
         under: a submodule's mode, class, settings or hooks, a parameter's trainability,
-        torch.nn's global hooks, or the autocast state."""
-        now = Conditions.of(model, gradients=bool(self.trainable))
+        torch.nn's global hooks, the autocast state, or a value the step functions ``step``
+        read (not checked without them: a plan read from a file does not know them)."""
+        now = Conditions.of(model, gradients=bool(self.trainable), step=step)
+        if not any(step):
+            now = replace(now, step=self.step)
         if now != self:
             refuse_gradient_hooks(model)
             raise ValueError(self._difference(now))
@@ -117,25 +190,13 @@ class Conditions:
                 return difference
         if len(self.modules) != len(now.modules):
             return "the model has other submodules than the plan was made for (optimize again)"
-        for (name, then, _), (our_name, ours, _) in zip(self.trainable, now.trainable):
-            if name != our_name:
-                break
-            if then != ours:
-                return (
-                    f"parameter {name!r} is {_trainable(ours)}; the plan was made with it {_trainable(then)} "
-                    "(set requires_grad back, or optimize again: magis.planned does so by itself)"
-                )
         if self.trainable != now.trainable:
-            then_names, our_names = [t[0] for t in self.trainable], [t[0] for t in now.trainable]
-            added = [name for name in our_names if name not in then_names]
-            removed = [name for name in then_names if name not in our_names]
-            return (
-                f"the model has other parameters than the plan was made for (new: {added}, gone: {removed}; "
-                "a weight tied or untied, or replaced by another module's): optimize again"
-            )
+            return _trainable_difference(self.trainable, now.trainable)
         for what, then, ours in zip(GLOBAL_HOOKS.values(), self.global_hooks, now.global_hooks):
             if then != ours:
                 return f"torch.nn's {what} are {list(ours)}; the plan was made with {list(then)} (optimize again)"
+        if self.step != now.step:
+            return _step_difference(self.step, now.step)
         for (device, dtype), (_, recorded) in zip(now.autocast, self.autocast):
             if dtype != recorded:
                 return (
@@ -144,6 +205,37 @@ class Conditions:
                     "or optimize again"
                 )
         raise AssertionError("conditions differ in nothing they record")
+
+
+def _trainable_difference(then: tuple[tuple[str, bool, bool], ...], now: tuple[tuple[str, bool, bool], ...]) -> str:
+    """What differs between the parameters' trainability then and now (:attr:`Conditions.trainable`)."""
+    for (name, recorded, _), (our_name, ours, _) in zip(then, now):
+        if name != our_name:
+            break
+        if recorded != ours:
+            return (
+                f"parameter {name!r} is {_trainable(ours)}; the plan was made with it {_trainable(recorded)} "
+                "(set requires_grad back, or optimize again: magis.planned does so by itself)"
+            )
+    then_names, our_names = [t[0] for t in then], [t[0] for t in now]
+    added = [name for name in our_names if name not in then_names]
+    removed = [name for name in then_names if name not in our_names]
+    return (
+        f"the model has other parameters than the plan was made for (new: {added}, gone: {removed}; "
+        "a weight tied or untied, or replaced by another module's): optimize again"
+    )
+
+
+def _step_difference(then: tuple[tuple[str, Any], ...], now: tuple[tuple[str, Any], ...]) -> str:
+    """What differs between the values the step functions read then and now (:func:`step_values`)."""
+    for (name, recorded), (_, ours) in zip(then, now):
+        if ours != recorded:
+            function, variable = name.split(": ", 1)
+            return (
+                f"{function}() reads {variable}={ours!r}; the plan was made with {variable}={recorded!r}: a trace "
+                "keeps the Python values it read as constants (pass it as a tensor in the batch, or optimize again)"
+            )
+    return "the step's functions read other values than the plan was made with (optimize again)"
 
 
 def _module_difference(then: ModuleRecord, now: ModuleRecord) -> str | None:
@@ -199,13 +291,32 @@ def changed_while_traced(before: tuple[ModuleRecord, ...], after: tuple[ModuleRe
     return None
 
 
+def initialized_while_traced(before: tuple[ModuleRecord, ...], after: tuple[ModuleRecord, ...]) -> bool:
+    """Whether every setting that ``after`` holds other than ``before`` was unset or ``None``
+    there: a lazy initialisation (transformers sets ``config.problem_type`` at the first call
+    with labels), which every later call finds done."""
+    if len(before) != len(after):
+        return False
+    for (_, _, _, _, then), (_, _, _, _, now) in zip(before, after):
+        if then == now:
+            continue
+        recorded, ours = dict(then), dict(now)
+        changed = [key for key, value in ours.items() if recorded.get(key, ...) != value]
+        if recorded.keys() - ours.keys() or any(recorded.get(key) is not None for key in changed):
+            return False
+    return True
+
+
 def restore_settings(model: torch.nn.Module, records: tuple[ModuleRecord, ...]) -> None:
-    """Put back every setting of ``records`` (:func:`module_records` of ``model``) that differs now."""
+    """Put back every setting of ``records`` (:func:`module_records` of ``model``) that differs now
+    (a config's where it was first met)."""
     for name, _, _, _, settings in records:
         module = model.get_submodule(name)
         for key, value in settings:
-            if getattr(module, key, ...) != value:
-                setattr(module, key, value)
+            *path, leaf = key.split(".")
+            holder = functools.reduce(getattr, path, module)
+            if getattr(holder, leaf, ...) != value and not (isinstance(value, str) and value.startswith("(as ")):
+                setattr(holder, leaf, value)
 
 
 def _hooked(param: torch.Tensor) -> bool:
