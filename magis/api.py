@@ -229,8 +229,9 @@ def optimize(
     and after. SGD, Adam and AdamW are planned inside the step (their states counted, each
     update placed by the search, early where that frees memory); any other optimizer is
     stepped after the plan with the gradients kept (``plan.report()`` says which).
-    ``max_grad_norm`` clips the gradients first, as ``torch.nn.utils.clip_grad_norm_``: every
-    gradient is then held until the last is final (the report says how many bytes that holds).
+    ``max_grad_norm`` clips the gradients of the parameters ``optimizer`` steps first, as
+    ``torch.nn.utils.clip_grad_norm_`` over them: every gradient is then held until the last
+    is final (the report says how many bytes that holds).
     The limits are of the whole step: a fraction is of eager's step with its update.
 
     The plan runs as generated Python (:mod:`magis.backend.codegen`); ``compile=True`` runs its

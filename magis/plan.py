@@ -193,9 +193,8 @@ class Plan:
                     param.grad.add_(gradient)
         if self.optimizer is not None and in_plan is None:  # not planned: stepped here, as eager does
             if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.model.parameters() if p.grad is not None], self.max_grad_norm
-                )
+                stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+                torch.nn.utils.clip_grad_norm_([p for p in stepped if p.grad is not None], self.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return self.step_output.rebuild(result.loss, result.outputs)
