@@ -575,11 +575,11 @@ def explain_capture_failure(err: Exception) -> str:
         return f"an op has a data-dependent output shape (e.g. nonzero, masked_select, unique){at}: {first}"
     if "convert all Tensors to FakeTensors" in text:
         return (
-            "the step uses a tensor that is neither a parameter, a buffer nor in the batch (e.g. a loss "
-            "closing over the labels): pass them in the batch and take them in training_step(model, *batch)"
-            f"{at}; {first}"
+            "the step uses a tensor that is neither a parameter, a buffer nor in the batch: a module's "
+            "plain tensor attribute (register it with register_buffer), or a loss closing over the labels "
+            f"(pass them in the batch and take them in training_step(model, *batch)){at}; {first}"
         )
-    return f"could not capture the training step{at}: {first}"
+    return f"could not capture the step{at}: {first}"
 
 
 _TORCH = os.path.dirname(torch.__file__)
