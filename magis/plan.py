@@ -48,7 +48,7 @@ from magis.backend.runtime import RUNTIMES, Runtime, StepRunner, run_program
 from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
-from magis.frontend.conditions import Conditions, autocast_off
+from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off
 from magis.frontend.grad_seed import seeded
 from magis.frontend.optimizer import (
     GradientNorm,
@@ -148,6 +148,12 @@ class Plan:
     step_functions: tuple[Callable[..., Any] | None, ...] = field(default=(), repr=False)
 
     @cached_property
+    def watch(self) -> ConditionsWatch:
+        """What each call's check of :attr:`conditions` glances at
+        (:class:`~magis.frontend.conditions.ConditionsWatch`)."""
+        return ConditionsWatch()
+
+    @cached_property
     def program(self) -> Program:
         return lower(self.graph, self.order)
 
@@ -172,7 +178,7 @@ class Plan:
             )
         given = self.batch.given(batch)
         inputs = self.batch.tensors(given)
-        self.conditions.check(self.model, self.step_functions)
+        self.conditions.check(self.model, self.step_functions, self.watch)
         if self.graph.signature.inference:
             return self._infer(inputs, grad_scale)
         self.batch.refuse_gradients(given)

@@ -35,7 +35,7 @@ from magis.backend.runtime import DivisorError
 from magis.backend.verify import forked_rng
 from magis.cost.timing_cache import default_cache_path
 from magis.frontend.capture import capture
-from magis.frontend.conditions import Conditions
+from magis.frontend.conditions import Conditions, ConditionsWatch
 from magis.frontend.optimizer import group_layout
 from magis.frontend.step import LossFn, TrainingStep, UserStep, as_batch, user_model
 from magis.ir.graph import Graph
@@ -98,6 +98,7 @@ class PlannedStep:
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()  # by signature, least recently used first
         self.searches = 0
         self.loaded = 0
+        self.watch = ConditionsWatch()  # what each call's signature glances at
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         """One training step on ``batch``: the loss; gradients accumulated into ``.grad``, or with an
@@ -108,7 +109,7 @@ class PlannedStep:
             return _run(plan, args)
         except DivisorError as err:  # the weights broke a choice the plan made (raised as it binds: nothing ran)
             warnings.warn(f"magis: planning again, {err}", stacklevel=2)
-            key = signature(self.model, args, self.optimizer, self._functions())
+            key = signature(self.model, args, self.optimizer, self._functions(), self.watch)
             self.plans[key] = self._searched(args, self._path(args, key))
             return _run(self.plans[key], args)
 
@@ -117,7 +118,7 @@ class PlannedStep:
         return self._plan_of(_batch(batch))
 
     def _plan_of(self, args: tuple | Mapping) -> Plan:
-        key = signature(self.model, args, self.optimizer, self._functions())
+        key = signature(self.model, args, self.optimizer, self._functions(), self.watch)
         plan = self.plans.get(key)
         if plan is None:
             plan = self._made_or_read(args, key)
@@ -179,19 +180,22 @@ def signature(
     batch: tuple | Mapping,
     optimizer: torch.optim.Optimizer | None = None,
     step: tuple[Callable[..., Any] | None, ...] = (),
+    watch: ConditionsWatch | None = None,
 ) -> tuple:
     """What a plan is made for beyond the model's code: the batch's structure and its tensors'
     shapes, dtypes and devices (other values as they are), every submodule's mode, class,
     settings and hooks, which parameters are trainable and the autocast state
     (:class:`~magis.frontend.conditions.Conditions`), and the optimizer's type and param
-    groups (:func:`~magis.frontend.optimizer.group_layout`: a group added is another plan)."""
+    groups (:func:`~magis.frontend.optimizer.group_layout`: a group added is another plan).
+    A caller that asks at every call passes its ``watch``."""
     leaves, tree = pytree.tree_flatten(as_batch(batch))
     described = tuple(
         (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in leaves
     )
     stepped = None if optimizer is None else (type(optimizer).__qualname__, group_layout(optimizer, model))
-    return (tree, described, Conditions.of(model, step=step), stepped)
+    conditions = Conditions.of(model, step=step) if watch is None else watch.of(model, step=step)
+    return (tree, described, conditions, stepped)
 
 
 def file_key(graph: Graph, signature: tuple, options: dict[str, Any]) -> str:

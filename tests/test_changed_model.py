@@ -24,7 +24,8 @@ class Net(nn.Module):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4)
         self.act, self.drop = nn.ReLU(), nn.Dropout(0.1)
-        self.config = SimpleNamespace(scale=1.0)  # a setting in a config object, as transformers keeps them
+        # settings in a config object and the config it holds, as transformers keeps them
+        self.config = SimpleNamespace(scale=1.0, text=SimpleNamespace(width=64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(self.drop(self.act(self.b(self.act(self.a(x)))))) * self.config.scale
@@ -66,6 +67,21 @@ def _config(model):
     return lambda: setattr(model.config, "scale", 1.0)
 
 
+def _inner_config(model):
+    model.config.text.width = 32
+    return lambda: setattr(model.config.text, "width", 64)
+
+
+def _class(model):
+    model.act.__class__ = nn.ReLU6
+    return lambda: setattr(model.act, "__class__", nn.ReLU)
+
+
+def _eval(model):
+    model.drop.eval()
+    return model.drop.train
+
+
 def _forward_hook(model):
     return model.b.register_forward_hook(lambda module, args, out: 2 * out).remove
 
@@ -82,6 +98,9 @@ CHANGES = {
     "frozen": (_freeze, r"parameter 'a.weight' is frozen \(requires_grad=False\); the plan was made with it trainable"),
     "replaced": (_replace, "submodule 'act' is a Tanh; the plan was made with a ReLU there"),
     "dropout rate": (_dropout_rate, r"submodule 'drop' \(Dropout\) has p=0.5; the plan was made with p=0.1"),
+    "inner config": (_inner_config, r"config.text.width=32; the plan was made with config.text.width=64"),
+    "class": (_class, "submodule 'act' is a ReLU6; the plan was made with a ReLU there"),
+    "eval mode": (_eval, r"submodule 'drop' is in eval mode; the plan was made with it in training mode"),
     "config": (_config, r"the model \(Net\) has config.scale=2.0; the plan was made with config.scale=1.0"),
     "forward hook": (_forward_hook, r"submodule 'b' has forward hooks \['_forward_hook.<locals>.<lambda>'\]; .* \[\]"),
     "global hook": (_global_hook, "torch.nn's global module forward hooks are"),
@@ -95,6 +114,8 @@ def test_a_change_after_planning_is_refused_naming_it_and_undone_trains_like_eag
     model = Net().double()
     x, y = batch()
     plan = magis.optimize(model, (x, y), training_step=step, latency_limit=1.5, **SEARCH)
+    plan(x, y)  # a change after a call too: what the call saw is no licence for the next
+    model.zero_grad(set_to_none=True)
     make, message = CHANGES[change]
     undo = make(model)
     with pytest.raises(ValueError, match=message):
