@@ -25,7 +25,7 @@ from magis.cost.latency import cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.cost.workspace import measure_workspaces, with_workspaces
 from magis.frontend.capture import capture_forward, capture_timed
-from magis.frontend.conditions import Conditions, refuse_gradient_hooks, warn_if_evaluating
+from magis.frontend.conditions import Conditions, refuse_gradient_hooks, warn_if_evaluating, warn_of_hooks
 from magis.frontend.grad_seed import with_grad_seed
 from magis.frontend.optimizer import unplanned_reason, with_optimizer
 from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, user_model
@@ -277,6 +277,7 @@ def optimize(
     device = device or ("h200" if fake else _local_device(model))
     # the captured step is timed, the rest estimated
     latency_model = cost_model(device, estimate_unseen=True, progress=progress, fused=compile)
+    warn_of_hooks(model)
     if not inference:
         warn_if_evaluating(model)
         refuse_gradient_hooks(model)  # before the check runs eager's step, which would fire them

@@ -26,6 +26,7 @@ class Net(nn.Module):
         self.act, self.drop = nn.ReLU(), nn.Dropout(0.1)
         # settings in a config object and the config it holds, as transformers keeps them
         self.config = SimpleNamespace(scale=1.0, text=SimpleNamespace(width=64))
+        self.widths, self.squash = [16, 64], torch.relu  # settings that are not numbers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(self.drop(self.act(self.b(self.act(self.a(x)))))) * self.config.scale
@@ -72,6 +73,16 @@ def _inner_config(model):
     return lambda: setattr(model.config.text, "width", 64)
 
 
+def _list_in_place(model):
+    model.widths.append(4)
+    return model.widths.pop
+
+
+def _function(model):
+    model.squash = torch.tanh
+    return lambda: setattr(model, "squash", torch.relu)
+
+
 def _class(model):
     model.act.__class__ = nn.ReLU6
     return lambda: setattr(model.act, "__class__", nn.ReLU)
@@ -99,10 +110,18 @@ CHANGES = {
     "replaced": (_replace, "submodule 'act' is a Tanh; the plan was made with a ReLU there"),
     "dropout rate": (_dropout_rate, r"submodule 'drop' \(Dropout\) has p=0.5; the plan was made with p=0.1"),
     "inner config": (_inner_config, r"config.text.width=32; the plan was made with config.text.width=64"),
+    "list changed in place": (
+        _list_in_place,
+        r"widths=list\[16, 64, 4\]; the plan was made with widths=list\[16, 64\]",
+    ),
+    "function": (_function, r"has squash=torch.tanh; the plan was made with squash=torch.relu"),
     "class": (_class, "submodule 'act' is a ReLU6; the plan was made with a ReLU there"),
     "eval mode": (_eval, r"submodule 'drop' is in eval mode; the plan was made with it in training mode"),
     "config": (_config, r"the model \(Net\) has config.scale=2.0; the plan was made with config.scale=1.0"),
-    "forward hook": (_forward_hook, r"submodule 'b' has forward hooks \['_forward_hook.<locals>.<lambda>'\]; .* \[\]"),
+    "forward hook": (
+        _forward_hook,
+        r"'b' has forward hooks \[function .*_forward_hook.<locals>.<lambda> .*\]; .* \[\]",
+    ),
     "global hook": (_global_hook, "torch.nn's global module forward hooks are"),
     "gradient hook": (_gradient_hook, r"parameter 'b.weight' has a hook on its gradient \(Tensor.register_hook\)"),
 }
@@ -287,4 +306,62 @@ def test_a_value_the_step_reads_from_its_globals_or_closure_is_checked_at_each_c
     plan = magis.optimize(model, (x, y), training_step=weighted, latency_limit=1.5, **SEARCH)
     weight = 2.0
     with pytest.raises(ValueError, match=r"weighted\(\) reads weight=2.0; the plan was made with weight=1.0"):
+        plan(x, y)
+
+
+class Scale:
+    """A hook object whose state a user tunes between calls."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return self.factor * out
+
+
+def test_a_hook_whose_state_or_code_changed_is_refused_and_its_side_effects_are_warned_of():
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = batch()
+    scale = Scale(1.0)
+    model.b.register_forward_hook(scale)
+    plan = magis.optimize(model, (x, y), training_step=step, latency_limit=1.5, **SEARCH)
+    plan(x, y)
+    scale.factor = 3.0
+    with pytest.raises(ValueError, match=r"submodule 'b' has forward hooks \[Scale\{'factor': 3.0\}\]"):
+        plan(x, y)
+
+    seen = []
+    model = Net().double()
+    model.c.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with pytest.warns(UserWarning, match=r"submodule 'c' has forward hooks .*: a plan runs what they computed"):
+        magis.optimize(model, (x, y), training_step=step, latency_limit=1.5, **SEARCH)
+
+
+HYPERPARAMETERS = {"smoothing": 0.0}  # a dict of the module's, as users keep a run's settings
+
+
+def dict_smoothed_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, label_smoothing=HYPERPARAMETERS["smoothing"])
+
+
+def test_a_container_or_namespace_the_step_reads_is_checked_at_each_call(monkeypatch):
+    torch.manual_seed(0)
+    model = Net().double()
+    x, y = batch()
+    plan = magis.optimize(model, (x, y), training_step=dict_smoothed_step, latency_limit=1.5, **SEARCH)
+    plan(x, y)
+    monkeypatch.setitem(HYPERPARAMETERS, "smoothing", 0.2)
+    with pytest.raises(ValueError, match=r"reads HYPERPARAMETERS=dict\['smoothing': 0.2\]; the plan was made with"):
+        plan(x, y)
+
+    args = SimpleNamespace(weight=1.0)  # what argparse returns
+
+    def weighted(model, x, y):
+        return args.weight * step(model, x, y)
+
+    model.zero_grad()
+    plan = magis.optimize(model, (x, y), training_step=weighted, latency_limit=1.5, **SEARCH)
+    args.weight = 2.0
+    with pytest.raises(ValueError, match=r"weighted\(\) reads args.weight=2.0; the plan was made with args.weight=1.0"):
         plan(x, y)

@@ -92,6 +92,25 @@ def test_a_plan_file_of_another_model_is_refused_naming_the_first_difference(sav
         magis.load_plan(path, renamed)
 
 
+def test_a_plan_file_loaded_for_a_model_whose_code_was_edited_is_refused_at_its_call(saved):
+    """The same class and parameters with another ``forward`` (the file edited since): the plan
+    holds the old code's graph, so its first call refuses, before anything runs."""
+    plan, x, path = saved
+    edited_forward = type(plan.model).forward
+
+    class Edited(type(plan.model)):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * edited_forward(self, x)
+
+    Edited.__qualname__, Edited.__module__ = type(plan.model).__qualname__, type(plan.model).__module__
+    edited = copy.deepcopy(plan.model)
+    edited.__class__ = Edited
+    loaded = magis.load_plan(path, edited)
+    with pytest.raises(ValueError, match=r"the code of the model's class MLP is not the code the plan was made with"):
+        loaded(x)
+    assert all(p.grad is None for p in edited.parameters())
+
+
 def test_missing_damaged_and_foreign_files_are_clear_errors(saved, tmp_path):
     plan, _, path = saved
     with pytest.raises(FileNotFoundError, match="no plan file at"):

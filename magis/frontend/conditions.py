@@ -28,12 +28,14 @@ region (a rotary embedding's ``enabled=False`` block) would be cast once more.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import hashlib
 import itertools
 import operator
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,11 +54,20 @@ MODULE_HOOKS = {
 #: torch.nn's hooks on every module (``register_module_forward_hook``...), by the attribute holding them
 GLOBAL_HOOKS = {f"_global{attr}": f"global module {what}" for attr, what in MODULE_HOOKS.items()}
 _PLAIN = (bool, int, float, str, type(None))
+#: a container with more items is not a setting (data, a vocabulary), not described at every call
+CONTAINER_ITEMS = 256
+#: the modules of the libraries whose classes are not a user's configs
+_LIBRARIES = ("torch", "transformers", "diffusers", "numpy", "typing", "enum", "collections", "abc")
+#: callables whose attributes are not settings (they are recorded whole, :func:`_recorded`)
+_NOT_CONFIGS = (types.FunctionType, types.MethodType, functools.partial, types.BuiltinFunctionType)
+#: what :func:`_recorded` returns for a value that is not a setting
+_UNRECORDED = object()
 #: how deep a config's configs are read (a transformers config's ``text_config``)
 SETTINGS_DEPTH = 2
 
-#: one module as a step was captured with it: (qualified name, class, training, hooks, settings)
-ModuleRecord = tuple[str, str, bool, tuple[tuple[str, ...], ...], tuple[tuple[str, Any], ...]]
+#: one module as a step was captured with it: (qualified name, class, training, hooks, settings,
+#: a digest of its class's code where the class is not a library's)
+ModuleRecord = tuple[str, str, bool, tuple[tuple[Any, ...], ...], tuple[tuple[str, Any], ...], str]
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype | None], ...]:
@@ -67,35 +78,134 @@ def autocast_state() -> tuple[tuple[str, torch.dtype | None], ...]:
     )
 
 
-def _hook_names(hooks: dict) -> tuple[str, ...]:
-    """The hooks' function names: the same in another process, unlike their handles."""
+def _hook_names(hooks: dict) -> tuple[Any, ...]:
+    """The hooks as recorded: each function's name, code and state (:func:`_recorded`), a hook
+    object's class and settings; the same in another process, unlike their handles."""
     if not hooks:  # nearly every module's: a plan checks them at every call (Conditions.check)
         return ()
-    return tuple(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks.values())
+    return tuple(_hook_record(hook) for hook in hooks.values())
 
 
-def _is_plain(value: Any) -> bool:
-    return type(value) in _PLAIN or (type(value) is tuple and all(type(item) in _PLAIN for item in value))
+def _hook_record(hook: Any) -> Any:
+    recorded = _recorded(hook)
+    if recorded is not _UNRECORDED:
+        return recorded
+    settings = tuple(_settings(vars(hook), "", {}, 1)) if hasattr(hook, "__dict__") else ()
+    return Described(f"{type(hook).__qualname__}{dict(settings) if settings else ''}")
+
+
+@dataclass(frozen=True)
+class Described:
+    """A setting that is not a plain value, as :func:`_recorded` describes it: compared by its
+    text, the same in another process, and shown as it is in a message."""
+
+    text: str
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _recorded(value: Any) -> Any:
+    """``value`` as a setting is recorded, or ``_UNRECORDED``: a plain value or a tuple of them as
+    it is; a numpy scalar as its Python number; a list, tuple, set or dict of recorded values
+    (at most :data:`CONTAINER_ITEMS`), an enum member, a function (its name, code, defaults and
+    closure: a lambda scaling by another factor is another function), a partial, a bound method,
+    a builtin or a class of torch's as a :class:`Described`. Tensors, modules and other objects
+    are not settings (a config's attributes are, :func:`_settings`)."""
+    kind = type(value)
+    if kind in _PLAIN or (kind is tuple and all(type(item) in _PLAIN for item in value)):
+        return value
+    if kind.__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    if kind in (list, tuple, set, frozenset, dict):
+        return _container(value)
+    if isinstance(value, enum.Enum):
+        return Described(f"{kind.__qualname__}.{value.name}")
+    if isinstance(value, types.FunctionType):
+        return Described(f"function {value.__module__}.{value.__qualname__} {_function_digest(value)}")
+    if isinstance(value, functools.partial):
+        parts = [_recorded(value.func), *map(_recorded, value.args), *map(_recorded, value.keywords.values())]
+        if any(part is _UNRECORDED for part in parts):
+            return _UNRECORDED
+        return Described(f"partial({', '.join(map(repr, parts))}, {sorted(value.keywords)})")
+    if isinstance(value, types.MethodType):
+        return Described(f"method {_recorded(value.__func__)!r} of a {type(value.__self__).__qualname__}")
+    if isinstance(value, types.BuiltinFunctionType):
+        return Described(f"{value.__module__}.{value.__name__}")
+    if isinstance(value, type) and not _holds_settings(value):
+        return Described(f"{value.__module__}.{value.__qualname__}")
+    return _UNRECORDED
+
+
+def _container(value: list | tuple | set | frozenset | dict) -> Any:
+    """A container of recorded values described (:func:`_recorded`), a set's items sorted (their
+    order changes between processes), or ``_UNRECORDED``."""
+    if len(value) > CONTAINER_ITEMS:
+        return _UNRECORDED
+    pairs = value.items() if isinstance(value, dict) else ((None, item) for item in value)
+    texts = []
+    for key, item in pairs:
+        parts = (_recorded(item),) if key is None else (_recorded(key), _recorded(item))
+        if any(part is _UNRECORDED for part in parts):
+            return _UNRECORDED
+        texts.append(": ".join(map(repr, parts)))
+    if isinstance(value, (set, frozenset)):
+        texts.sort()
+    return Described(f"{type(value).__name__}[{', '.join(texts)}]")
+
+
+def _function_digest(function: types.FunctionType) -> str:
+    """A digest of what a Python function computes: its code (the bytecode, names and constants
+    of it and of the code it defines; not its line numbers), its defaults and its closure."""
+    digest = hashlib.blake2b(digest_size=6)
+
+    def code_bytes(code: types.CodeType) -> None:
+        digest.update(code.co_code)
+        digest.update(repr(code.co_names).encode())
+        for constant in code.co_consts:
+            if isinstance(constant, types.CodeType):
+                code_bytes(constant)
+            else:
+                digest.update(repr(constant).encode())
+
+    code_bytes(function.__code__)
+    state = [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
+    for cell in function.__closure__ or ():
+        try:
+            state.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            state.append(None)
+    for value in state:  # a closure over another function: its name, not its code (no cycles)
+        function_name = isinstance(value, types.FunctionType) and Described(f"function {value.__qualname__}")
+        recorded = function_name or _recorded(value)
+        digest.update(b"?" if recorded is _UNRECORDED else repr(recorded).encode())
+    return digest.hexdigest()
 
 
 def _holds_settings(value: Any) -> bool:
-    """An object whose attributes may be settings: a config (module docstring)."""
+    """An object whose attributes may be settings: a config (module docstring), a hook object, or
+    a class of the user's (its class attributes and methods)."""
+    if isinstance(value, type):
+        return not value.__module__.startswith(_LIBRARIES) and value.__module__ != "builtins"
     return (
         hasattr(value, "__dict__")
-        and not callable(value)
-        and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType))
+        and not isinstance(value, _NOT_CONFIGS)
+        and not isinstance(value, (torch.nn.Module, torch.Tensor, types.ModuleType))
     )
 
 
-def _settings(attributes: dict[str, Any], path: str, seen: dict[int, str], depth: int = 0) -> Iterator[tuple[str, Any]]:
-    """The public plain attributes of ``attributes`` and of the configs they refer to (dotted
-    names, at most :data:`SETTINGS_DEPTH` deep), each config once (``seen``: where each was
-    first met, by identity)."""
+def _settings(
+    attributes: Mapping[str, Any], path: str, seen: dict[int, str], depth: int = 0, private: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """The public attributes of ``attributes`` recorded (:func:`_recorded`) and those of the
+    configs they refer to (dotted names, at most :data:`SETTINGS_DEPTH` deep), each config once
+    (``seen``: where each was first met, by identity); ``private`` names too."""
     for key, value in attributes.items():
-        if key[0] == "_" or key == "training":
+        if (key[0] == "_" and not private) or key == "training" or key[:2] == "__":
             continue
-        if _is_plain(value):
-            yield key, value
+        recorded = _recorded(value)
+        if recorded is not _UNRECORDED:
+            yield key, recorded
         elif depth < SETTINGS_DEPTH and _holds_settings(value):
             here = f"{path}.{key}" if path else key
             first = seen.setdefault(id(value), here)
@@ -107,11 +217,12 @@ def _settings(attributes: dict[str, Any], path: str, seen: dict[int, str], depth
 
 
 def step_values(functions: Sequence[Callable | None]) -> tuple[tuple[str, Any], ...]:
-    """The plain values (module docstring) that ``functions`` (the user's ``training_step`` or
-    ``loss_fn``, and the functions and lambdas they define) read from their module's globals
-    or their closures, as ``("<function>: <name>", value)``: a trace holds them as constants
-    (a label smoothing kept in a global), as torch.compile's guards know. Functions they
-    call are not read."""
+    """The values (:func:`_settings`: plain values, containers, functions, configs' and classes'
+    attributes) that ``functions`` (the user's ``training_step`` or ``loss_fn``, and the functions
+    and lambdas they define) read from their module's globals or their closures, as
+    ``("<function>: <name>", value)``: a trace holds them as constants (a label smoothing kept in
+    a global, a dict or an argparse namespace), as torch.compile's guards know. What the
+    functions they call read is not read."""
     values: list[tuple[str, Any]] = []
     for function in functions:
         while isinstance(function, functools.partial):
@@ -121,15 +232,14 @@ def step_values(functions: Sequence[Callable | None]) -> tuple[tuple[str, Any], 
             continue  # not a Python function (a callable object, a builtin)
         name = getattr(function, "__qualname__", code.co_name)
         namespace = getattr(function, "__globals__", {})
-        read = sorted({n for n in _names_read(code) if n in namespace and _is_plain(namespace[n])})
-        values += [(f"{name}: {n}", namespace[n]) for n in read]
+        read = {n: namespace[n] for n in sorted(set(_names_read(code))) if n in namespace}
         for variable, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
             try:
-                value = cell.cell_contents
+                read[variable] = cell.cell_contents
             except ValueError:  # a cell not filled yet
                 continue
-            if _is_plain(value):
-                values.append((f"{name}: {variable}", value))
+        read = {n: value for n, value in read.items() if value is not function}
+        values += [(f"{name}: {n}", value) for n, value in _settings(read, "", {}, private=True)]
     return tuple(values)
 
 
@@ -145,12 +255,30 @@ def module_records(model: torch.nn.Module) -> tuple[ModuleRecord, ...]:
     """Every submodule of ``model`` as a step sees it, in ``named_modules()`` order (module docstring)."""
     records = []
     seen: dict[int, str] = {}
+    codes: dict[type, str] = {}
     for name, module in model.named_modules():
         attributes = vars(module)
         hooks = tuple(_hook_names(attributes[attr]) for attr in MODULE_HOOKS)
         settings = tuple(_settings(attributes, name, seen))
-        records.append((name, type(module).__qualname__, module.training, hooks, settings))
+        kind = type(module)
+        code = codes[kind] if kind in codes else codes.setdefault(kind, _class_code(kind))
+        records.append((name, kind.__qualname__, module.training, hooks, settings, code))
     return tuple(records)
+
+
+def _class_code(kind: type) -> str:
+    """A digest of the methods of ``kind`` and of its bases that are not a library's
+    (:func:`_function_digest`); empty for a library's class (torch's code is checked by version).
+    A plan read from a file (:func:`magis.load_plan`) runs the graph its code was traced into:
+    edited code is another step."""
+    digests = [
+        f"{key}:{_function_digest(value)}"
+        for cls in kind.__mro__
+        if not cls.__module__.startswith(_LIBRARIES) and cls.__module__ != "builtins"
+        for key, value in vars(cls).items()
+        if isinstance(value, types.FunctionType)
+    ]
+    return hashlib.blake2b(" ".join(digests).encode(), digest_size=6).hexdigest() if digests else ""
 
 
 @dataclass(frozen=True)
@@ -245,11 +373,16 @@ def _step_difference(then: tuple[tuple[str, Any], ...], now: tuple[tuple[str, An
 
 def _module_difference(then: ModuleRecord, now: ModuleRecord) -> str | None:
     """What differs between a submodule as the step was captured with it and as it is now, or None."""
-    name, kind, training, hooks, settings = now
+    name, kind, training, hooks, settings, code = now
     if name != then[0]:
         return f"the model has other submodules than the plan was made for: {_module(name)} (optimize again)"
     if kind != then[1]:
         return f"{_module(name)} is a {kind}; the plan was made with a {then[1]} there (optimize again)"
+    if code != then[5]:
+        return (
+            f"the code of {_module(name)}'s class {kind} is not the code the plan was made with (its methods "
+            "changed since): a plan runs the graph the old code was traced into (optimize again)"
+        )
     if training != then[2]:
         return (
             f"{_module(name)} is in {_mode(training)} mode; the plan was made with it in "
@@ -283,7 +416,7 @@ def changed_while_traced(before: tuple[ModuleRecord, ...], after: tuple[ModuleRe
     (:func:`module_records`) that ``after`` holds other than ``before``, or None. A forward that
     counts its calls or anneals a rate in an attribute ran once in the trace; the plan would see
     that call's values at every call."""
-    for (name, kind, _, _, then), (_, _, _, _, now) in zip(before, after):
+    for (name, kind, _, _, then, _), (_, _, _, _, now, _) in zip(before, after):
         if then == now:
             continue
         key, recorded, ours = _changed_setting(then, now)
@@ -302,7 +435,7 @@ def initialized_while_traced(before: tuple[ModuleRecord, ...], after: tuple[Modu
     with labels), which every later call finds done."""
     if len(before) != len(after):
         return False
-    for (_, _, _, _, then), (_, _, _, _, now) in zip(before, after):
+    for (_, _, _, _, then, _), (_, _, _, _, now, _) in zip(before, after):
         if then == now:
             continue
         recorded, ours = dict(then), dict(now)
@@ -315,12 +448,13 @@ def initialized_while_traced(before: tuple[ModuleRecord, ...], after: tuple[Modu
 def restore_settings(model: torch.nn.Module, records: tuple[ModuleRecord, ...]) -> None:
     """Put back every setting of ``records`` (:func:`module_records` of ``model``) that differs now
     (a config's where it was first met)."""
-    for name, _, _, _, settings in records:
+    for name, _, _, _, settings, _ in records:
         module = model.get_submodule(name)
         for key, value in settings:
             *path, leaf = key.split(".")
             holder = functools.reduce(getattr, path, module)
-            if getattr(holder, leaf, ...) != value and not (isinstance(value, str) and value.startswith("(as ")):
+            restorable = not isinstance(value, Described) and not (isinstance(value, str) and value.startswith("(as "))
+            if restorable and getattr(holder, leaf, ...) != value:
                 setattr(holder, leaf, value)
 
 
@@ -329,72 +463,102 @@ class ConditionsWatch:
 
     :func:`module_records` costs a few microseconds per submodule (RandWire's 503: 2 ms a
     call, 9% of its forward at batch 1). The watch keeps, by identity, every object those
-    records and the parameters' trainability read: the keys and values of the dicts they
-    read (:func:`_watched_dicts`: each submodule's attributes, children, parameters and
-    hooks, its configs' attributes, torch.nn's global hooks) and each parameter's
-    ``requires_grad`` and hooks, with the autocast state and the step functions' values.
-    While none of them changed, the conditions are the ones last computed; any change (a
-    setting set again to an equal value included) computes them afresh. It holds the objects
-    it saw until a call finds them changed (a replaced parameter's old tensor, at most one
-    call longer).
+    records and the parameters' trainability read: the keys and values of the mappings they
+    read (:func:`_watched`: each submodule's attributes, children, parameters and hooks, its
+    configs' and hook objects' attributes, torch.nn's global hooks) and each parameter's
+    ``requires_grad`` and hooks; the settings that can change in place (a list, a function's
+    closure) it describes again (:func:`_recorded`); the autocast state and the step
+    functions' values it reads again. While none of them changed, the conditions are the
+    ones last computed; any change (a setting set again to an equal value included) computes
+    them afresh. It holds the objects it saw until a call finds them changed (a replaced
+    parameter's old tensor, at most one call longer).
     """
 
     def __init__(self) -> None:
-        self._seen: tuple[Conditions, torch.nn.Module, list[Any], list[Any]] | None = None
+        self._seen: tuple[Conditions, torch.nn.Module, _Watched, list[Any], list[Any]] | None = None
 
     def of(self, model: torch.nn.Module, gradients: bool = True, step: Sequence[Callable | None] = ()) -> Conditions:
         """:meth:`Conditions.of` ``(model, gradients, step)``, the last result while nothing it read changed."""
         if self._seen is not None:
-            conditions, seen_model, watched, seen = self._seen
+            conditions, seen_model, watched, identities, described = self._seen
             if (
                 seen_model is model
                 and bool(conditions.trainable) == gradients
-                and _same(_glance(*watched), seen)
+                and _same(watched.identities(), identities)
+                and watched.described() == described
                 and autocast_state() == conditions.autocast
                 and step_values(step) == conditions.step
             ):
                 return conditions
         conditions = Conditions.of(model, gradients, step)
-        modules = list(model.modules())
-        params = [p for module in modules for p in module._parameters.values() if p is not None]
-        watched = (modules, _watched_dicts(modules), params)
-        self._seen = (conditions, model, watched, _glance(*watched))
+        watched = _watched(list(model.modules()))
+        self._seen = (conditions, model, watched, watched.identities(), watched.described())
         return conditions
 
 
-def _watched_dicts(modules: Sequence[torch.nn.Module]) -> list[dict]:
-    """The dicts whose keys and values :func:`module_records` and :meth:`Conditions.of` read
-    (:class:`ConditionsWatch`), a superset: each of ``modules``' attributes, children, parameters
-    and hooks, its configs' attributes (as :func:`_settings` finds them), torch.nn's global hooks."""
-    dicts: list[dict] = [getattr(nn_module, attr, {}) for attr in GLOBAL_HOOKS]
+@dataclass(frozen=True)
+class _Watched:
+    """What :class:`ConditionsWatch` glances at: ``modules``' classes, the keys and values of
+    ``mappings``, the trainability and hooks of ``params``, and ``in_place``, the settings
+    that may change without being replaced."""
+
+    modules: list[torch.nn.Module]
+    mappings: list[Mapping[str, Any]]
+    params: list[torch.Tensor]
+    in_place: list[Any]
+
+    def identities(self) -> list[Any]:
+        """What the records read, flat, to compare by identity: the same objects, the same records."""
+        return [
+            *map(type, self.modules),
+            *itertools.chain.from_iterable(map(_KEYS, self.mappings)),
+            *itertools.chain.from_iterable(map(_VALUES, self.mappings)),
+            *(p.requires_grad for p in self.params),
+            *map(_hooked, self.params),
+        ]
+
+    def described(self) -> list[Any]:
+        return [_recorded(value) for value in self.in_place]
+
+
+_KEYS, _VALUES = operator.methodcaller("keys"), operator.methodcaller("values")
+#: settings that may change in place, without their attribute being set: described at every glance
+_IN_PLACE = (list, dict, set, types.FunctionType, functools.partial, types.MethodType)
+
+
+def _watched(modules: list[torch.nn.Module]) -> _Watched:
+    """What :func:`module_records` and :meth:`Conditions.of` read from ``modules`` (a superset,
+    :class:`ConditionsWatch`): each module's attributes, children, parameters and hooks, its
+    configs' and hook objects' attributes (as :func:`_settings` finds them), torch.nn's global hooks."""
+    mappings: list[Mapping[str, Any]] = [getattr(nn_module, attr, {}) for attr in GLOBAL_HOOKS]
+    in_place: list[Any] = []
     configs: set[int] = set()
 
-    def attributes(found: dict[str, Any], depth: int) -> None:
-        dicts.append(found)
-        if depth < SETTINGS_DEPTH:
-            for key, value in found.items():
-                if key[0] != "_" and _holds_settings(value) and id(value) not in configs:
-                    configs.add(id(value))
-                    attributes(vars(value), depth + 1)
+    def attributes(found: Mapping[str, Any], depth: int) -> None:
+        mappings.append(found)
+        for key, value in found.items():
+            if key[0] == "_":
+                continue
+            if isinstance(value, _IN_PLACE):
+                in_place.append(value)
+            elif depth < SETTINGS_DEPTH and _holds_settings(value) and id(value) not in configs:
+                configs.add(id(value))
+                attributes(vars(value), depth + 1)
 
+    for hooks in mappings[:]:
+        in_place += hooks.values()
     for module in modules:
         found = vars(module)
         attributes(found, 0)
-        dicts += (found[attr] for attr in ("_modules", "_parameters", *MODULE_HOOKS))
-    return dicts
-
-
-def _glance(modules: list[torch.nn.Module], dicts: list[dict], params: list[torch.Tensor]) -> list[Any]:
-    """The classes of ``modules``, the keys and values of ``dicts`` and the trainability and hooks
-    of ``params``, flat, to compare by identity (:class:`ConditionsWatch`): the same objects
-    mean the same conditions."""
-    return [
-        *map(type, modules),
-        *itertools.chain.from_iterable(map(dict.keys, dicts)),
-        *itertools.chain.from_iterable(map(dict.values, dicts)),
-        *(p.requires_grad for p in params),
-        *map(_hooked, params),
-    ]
+        for attr in ("_modules", "_parameters", *MODULE_HOOKS):
+            mappings.append(found[attr])
+        for attr in MODULE_HOOKS:
+            for hook in found[attr].values():
+                in_place.append(hook)
+                if hasattr(hook, "__dict__") and not isinstance(hook, _NOT_CONFIGS):
+                    attributes(vars(hook), 1)
+    params = [p for module in modules for p in module._parameters.values() if p is not None]
+    return _Watched(modules, mappings, params, in_place)
 
 
 def _same(now: list[Any], then: list[Any]) -> bool:
@@ -419,6 +583,28 @@ def refuse_gradient_hooks(model: torch.nn.Module) -> None:
                 "the optimizer inside the backward, remove the hooks and give it to magis.optimize(..., "
                 "optimizer=opt), whose plan applies each update as soon as its gradient is ready"
             )
+
+
+def warn_of_hooks(model: torch.nn.Module) -> None:
+    """A hook is traced into the step: what it computes on tensors, a plan computes at every
+    call; anything else it does (appending an activation to a list, logging, counting calls)
+    happened once, in the trace. Warned of for every hook that is not torch's own."""
+    for name, module in model.named_modules():
+        for attr, what in MODULE_HOOKS.items():
+            hooks = [hook for hook in vars(module)[attr].values() if not _is_torchs(hook)]
+            if hooks:
+                warnings.warn(
+                    f"{_module(name)} has {what} {[_hook_record(hook) for hook in hooks]}: a plan runs what they "
+                    "computed on tensors, traced once; anything else they do (recording an activation, logging, "
+                    "counting calls) happens in that trace only, not at each call",
+                    stacklevel=3,
+                )
+
+
+def _is_torchs(hook: Any) -> bool:
+    """A hook of torch's own (weight norm, spectral norm), which only computes on tensors."""
+    owner = hook if isinstance(hook, (types.FunctionType, functools.partial)) else type(hook)
+    return (getattr(owner, "__module__", None) or "").startswith("torch.")
 
 
 def warn_if_evaluating(model: torch.nn.Module) -> None:
