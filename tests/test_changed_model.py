@@ -355,13 +355,15 @@ def test_a_container_or_namespace_the_step_reads_is_checked_at_each_call(monkeyp
     with pytest.raises(ValueError, match=r"reads HYPERPARAMETERS=dict\['smoothing': 0.2\]; the plan was made with"):
         plan(x, y)
 
-    args = SimpleNamespace(weight=1.0)  # what argparse returns
+    args = SimpleNamespace(weight=1.0, epoch=0)  # what argparse returns
 
     def weighted(model, x, y):
         return args.weight * step(model, x, y)
 
     model.zero_grad()
     plan = magis.optimize(model, (x, y), training_step=weighted, latency_limit=1.5, **SEARCH)
+    args.epoch = 1  # not read by the step: no new step
+    plan(x, y)
     args.weight = 2.0
     with pytest.raises(ValueError, match=r"weighted\(\) reads args.weight=2.0; the plan was made with args.weight=1.0"):
         plan(x, y)

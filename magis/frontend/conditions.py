@@ -195,13 +195,21 @@ def _holds_settings(value: Any) -> bool:
 
 
 def _settings(
-    attributes: Mapping[str, Any], path: str, seen: dict[int, str], depth: int = 0, private: bool = False
+    attributes: Mapping[str, Any],
+    path: str,
+    seen: dict[int, str],
+    depth: int = 0,
+    private: bool = False,
+    names: frozenset[str] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """The public attributes of ``attributes`` recorded (:func:`_recorded`) and those of the
     configs they refer to (dotted names, at most :data:`SETTINGS_DEPTH` deep), each config once
-    (``seen``: where each was first met, by identity); ``private`` names too."""
+    (``seen``: where each was first met, by identity); ``private`` names too; of a config, only
+    the attributes in ``names`` where given."""
     for key, value in attributes.items():
         if (key[0] == "_" and not private) or key == "training" or key[:2] == "__":
+            continue
+        if depth > 0 and names is not None and key not in names:
             continue
         recorded = _recorded(value)
         if recorded is not _UNRECORDED:
@@ -212,7 +220,7 @@ def _settings(
             if first != here:
                 yield key, f"(as {first})"
                 continue
-            for inner, setting in _settings(vars(value), here, seen, depth + 1):
+            for inner, setting in _settings(vars(value), here, seen, depth + 1, names=names):
                 yield f"{key}.{inner}", setting
 
 
@@ -221,8 +229,9 @@ def step_values(functions: Sequence[Callable | None]) -> tuple[tuple[str, Any], 
     attributes) that ``functions`` (the user's ``training_step`` or ``loss_fn``, and the functions
     and lambdas they define) read from their module's globals or their closures, as
     ``("<function>: <name>", value)``: a trace holds them as constants (a label smoothing kept in
-    a global, a dict or an argparse namespace), as torch.compile's guards know. What the
-    functions they call read is not read."""
+    a global, a dict or an argparse namespace), as torch.compile's guards know. Of a namespace,
+    a config or a class, only the attributes the code names (``args.lr``: not ``args.epoch``,
+    which a loop may count); what the functions they call read is not read."""
     values: list[tuple[str, Any]] = []
     for function in functions:
         while isinstance(function, functools.partial):
@@ -232,23 +241,27 @@ def step_values(functions: Sequence[Callable | None]) -> tuple[tuple[str, Any], 
             continue  # not a Python function (a callable object, a builtin)
         name = getattr(function, "__qualname__", code.co_name)
         namespace = getattr(function, "__globals__", {})
-        read = {n: namespace[n] for n in sorted(set(_names_read(code))) if n in namespace}
+        names = frozenset(_names_read(code))
+        read = {n: namespace[n] for n in sorted(names) if n in namespace}
         for variable, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
             try:
                 read[variable] = cell.cell_contents
             except ValueError:  # a cell not filled yet
                 continue
         read = {n: value for n, value in read.items() if value is not function}
-        values += [(f"{name}: {n}", value) for n, value in _settings(read, "", {}, private=True)]
+        values += [(f"{name}: {n}", value) for n, value in _settings(read, "", {}, private=True, names=names)]
     return tuple(values)
 
 
 def _names_read(code: types.CodeType) -> Iterator[str]:
-    """The global (and attribute) names ``code`` and the code objects it defines refer to."""
+    """The global and attribute names ``code`` and the code objects it defines refer to, and
+    their string constants (``getattr(args, "lr")``)."""
     yield from code.co_names
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             yield from _names_read(constant)
+        elif isinstance(constant, str):
+            yield constant
 
 
 def module_records(model: torch.nn.Module) -> tuple[ModuleRecord, ...]:
