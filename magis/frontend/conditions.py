@@ -9,11 +9,14 @@ the graph it was made for, so a call after any of them changed (a layer frozen o
 replaced, a dropout rate annealed, a hook added) would silently train another step;
 :meth:`Conditions.check` refuses it, naming what differs
 (docs/design.md, "The user's side of the contract"). A module's *settings* are its public
-attributes of plain value (numbers, strings, booleans, ``None`` and tuples of them), and
-those of the objects holding settings that it refers to (a config: any object with
-attributes that is neither a module, a tensor nor callable), as ``config.name``, each
-object recorded once, where it is first met (later, ``config`` is ``"(as <path>)"``);
-tensors are bound by name at every call, so new weights need no new plan.
+attributes that a trace may have read as constants (:func:`_recorded`: numbers, strings,
+booleans, ``None``, containers of them, numpy scalars, enums, functions by their code and
+closure, classes), and those of the objects holding settings that it refers to (a config:
+any object with attributes that is neither a module, a tensor nor a function; a class of
+the user's), as ``config.name``, each object recorded once, where it is first met (later,
+``config`` is ``"(as <path>)"``), and its class's code where the class is the user's;
+tensors are bound by name at every call, so new weights need no new plan. A plan checks
+them at every call through a :class:`ConditionsWatch`.
 
 A hook on a parameter's gradient (``Tensor.register_hook``, or
 ``register_post_accumulate_grad_hook``, the way to step an optimizer inside the backward)
@@ -176,8 +179,10 @@ def _function_digest(function: types.FunctionType) -> str:
         except ValueError:  # a cell not filled yet
             state.append(None)
     for value in state:  # a closure over another function: its name, not its code (no cycles)
-        function_name = isinstance(value, types.FunctionType) and Described(f"function {value.__qualname__}")
-        recorded = function_name or _recorded(value)
+        if isinstance(value, types.FunctionType):
+            recorded = Described(f"function {value.__qualname__}")
+        else:
+            recorded = _recorded(value)
         digest.update(b"?" if recorded is _UNRECORDED else repr(recorded).encode())
     return digest.hexdigest()
 
