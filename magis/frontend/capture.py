@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils.checkpoint import CheckpointFunction
 
 from magis.frontend.conditions import (
     changed_while_traced,
@@ -245,12 +247,20 @@ def capture_timed(
 
     def joint(inputs: tuple[Any, ...]) -> tuple[torch.fx.GraphModule, Any]:
         try:
-            return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
-        except AssertionError as err:
-            if "did not receive a gradient" not in str(err):
-                raise
-            with _frozen(_parameters_without_gradient(step, inputs)):
+            try:
                 return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+            except AssertionError as err:
+                if "did not receive a gradient" not in str(err):
+                    raise
+                with _frozen(_parameters_without_gradient(step, inputs)):
+                    return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+        except CaptureError:
+            raise
+        except Exception as err:  # AOTAutograd refuses a joint graph that changes a parameter, naming none
+            changed = _changed_by_the_forward(step, inputs)
+            if changed:
+                raise ParameterChanged(changed) from err
+            raise
 
     try:
         gm, sig = _traced(model, example_inputs, joint)
@@ -258,6 +268,7 @@ def capture_timed(
         raise
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
+    refuse_sparse_gradients(gm, sig)
     fuse_silu_backward(gm)
     gradients_laid_out_as_parameters(gm, sig)
     propagate_fake_values(gm)
@@ -287,9 +298,64 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
         raise
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
+    refuse_changed_parameters(sig)
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start, step.output_spec)
+
+
+class ParameterChanged(CaptureError):
+    """The forward changes parameters in place; the message names them and the likely causes."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        quoted = ", ".join(repr(name) for name in names)
+        super().__init__(
+            f"the forward changes the parameter{'s' if len(names) > 1 else ''} {quoted} in place, as "
+            "nn.Embedding(max_norm=...) does when it renormalises the rows it looks up, or a weight clipped "
+            "inside forward (with torch.no_grad(): self.weight.clamp_(...), as in a WGAN critic): a plan "
+            "changes parameters only through the gradients and the optimizer, and would leave that change "
+            "out. Renormalise or clip the weights outside the forward (e.g. after optimizer.step()), or use "
+            "nn.Embedding without max_norm"
+        )
+
+
+def refuse_changed_parameters(sig: Any) -> None:
+    """A :class:`ParameterChanged` where the exported step changes a parameter in place.
+
+    AOTAutograd functionalizes the change into an output (``sig.parameters_to_mutate``) that
+    no plan writes back: its outputs would be eager's and the model's weights not (eager
+    writes the change into the parameter at every call). Buffers are written back (a batch
+    norm's running statistics); a plan changes parameters through gradients and the
+    optimizer only. The trace ran on fake tensors: the model is left as it was.
+    """
+    changed = _changed_parameters(sig)
+    if changed:
+        raise ParameterChanged(changed)
+
+
+def _changed_by_the_forward(step: _TrainingStep, inputs: tuple) -> list[str]:
+    """The parameters the step changes in place, as AOTAutograd reports them tracing it without
+    gradients: it refuses to export a joint graph that changes a parameter (a trainable one:
+    "received a mutation"; a frozen one: an assertion), naming neither the parameter nor the
+    change. Empty where that trace fails too (the joint trace's own error then stands). Its
+    warnings are not the user's (a checkpoint finding no input that requires grad)."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, sig = aot_export_module(step, inputs, trace_joint=False)
+    except Exception:
+        return []
+    return _changed_parameters(sig)
+
+
+def _changed_parameters(sig: Any) -> list[str]:
+    """The user's names of the parameters the exported step changes in place."""
+    return sorted({_user_name(name) for name in sig.parameters_to_mutate.values()})
+
+
+def _user_name(name: str) -> str:
+    """A parameter's name in the user's model (the step module holds it as ``model``)."""
+    return name.removeprefix("model.")
 
 
 class _SettingsInitialized(CaptureError):
@@ -573,11 +639,20 @@ def explain_capture_failure(err: Exception) -> str:
         )
     if "DynamicOutputShape" in kind or "dynamic output shape" in text.lower():
         return f"an op has a data-dependent output shape (e.g. nonzero, masked_select, unique){at}: {first}"
+    if _raised_in(err, CheckpointFunction.backward):
+        return (
+            "the model runs torch.utils.checkpoint(..., use_reentrant=True): reentrant activation "
+            "checkpointing cannot be captured, as its backward runs the recomputed forward's backward in an "
+            "autograd call of its own, which the trace of the step's backward (torch.autograd.grad) cannot "
+            "follow. Pass use_reentrant=False, which is captured (magis plans what to recompute itself)"
+        )
     if "convert all Tensors to FakeTensors" in text:
         return (
             "the step uses a tensor that is neither a parameter, a buffer nor in the batch: a module's "
-            "plain tensor attribute (register it with register_buffer), or a loss closing over the labels "
-            f"(pass them in the batch and take them in training_step(model, *batch)){at}; {first}"
+            "plain tensor attribute (register it with register_buffer), a loss closing over the labels "
+            "(pass them in the batch and take them in training_step(model, *batch)), or a module outside "
+            "the model that the step calls (a teacher: make it a submodule of the model, frozen with "
+            f"requires_grad_(False), or pass its outputs in the batch){at}; {first}"
         )
     return f"could not capture the step{at}: {first}"
 
@@ -593,14 +668,33 @@ def failing_line(err: BaseException) -> str | None:
     could not follow (e.g. ``float(self.num_batches_tracked)`` in a batch norm whose momentum
     is ``None``). ``None`` where no such frame is."""
     found = None
-    seen: set[int] = set()
-    chain: BaseException | None = err
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        frames = [f for f in traceback.extract_tb(chain.__traceback__) if f.line and _model_facing(f.filename)]
+    for chained in _chain(err):
+        frames = [f for f in traceback.extract_tb(chained.__traceback__) if f.line and _model_facing(f.filename)]
         found = frames[-1] if frames else found
-        chain = chain.__cause__ or chain.__context__
     return None if found is None else f"{found.filename}:{found.lineno} (`{found.line.strip()}`)"
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and the exceptions it was raised from (or while handling), innermost last."""
+    seen: set[int] = set()
+    chained: BaseException | None = err
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        yield chained
+        chained = chained.__cause__ or chained.__context__
+
+
+def _raised_in(err: BaseException, function: Callable) -> bool:
+    """Whether ``err``, or an exception it was raised from, was raised while ``function`` ran:
+    its code object is on the traceback, whatever the message says."""
+    code = function.__code__
+    for chained in _chain(err):
+        tb = chained.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is code:
+                return True
+            tb = tb.tb_next
+    return False
 
 
 def _model_facing(filename: str) -> bool:
@@ -650,6 +744,25 @@ def fuse_silu_backward(gm: torch.fx.GraphModule) -> int:
         if node.target is torch.ops.aten.detach.default and not node.users:
             gm.graph.erase_node(node)
     return len(replace_pattern(gm, _silu_backward_decomposed, _silu_backward_fused))
+
+
+def refuse_sparse_gradients(gm: torch.fx.GraphModule, sig: Any) -> None:
+    """A ``CaptureError`` where a parameter's gradient is sparse (an embedding with ``sparse=True``).
+
+    A plan's graph holds dense tensors: it sizes, orders, splits and frees each by its shape
+    and strides, which a sparse gradient's (indices and values as many as the rows looked up)
+    are not; the trace leaves such a gradient without a fake value.
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, param_name in sig.backward_signature.gradients_to_parameters.items():
+        value = nodes[name].meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+            raise CaptureError(
+                f"the gradient of the parameter {_user_name(param_name)!r} is sparse (nn.Embedding or "
+                "nn.EmbeddingBag with sparse=True, or F.embedding(..., sparse=True)): a plan holds dense "
+                "gradients only. Use sparse=False (the optimizer then steps a dense .grad; torch.optim.SparseAdam "
+                "takes sparse gradients only, use Adam or AdamW)"
+            )
 
 
 def gradients_laid_out_as_parameters(gm: torch.fx.GraphModule, sig: Any) -> int:
