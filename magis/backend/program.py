@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -41,9 +42,9 @@ class Program:
     order: tuple[str, ...]
     instructions: tuple[Instruction, ...]
 
-    @property
+    @cached_property
     def swaps(self) -> bool:
-        """Whether the program moves tensors to and from host memory."""
+        """Whether the program moves tensors to and from host memory (asked at every run)."""
         return any(isinstance(ins.fn, (Store, Load)) for ins in self.instructions)
 
 

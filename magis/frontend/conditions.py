@@ -327,7 +327,10 @@ class Conditions:
         torch.nn's global hooks, the autocast state, or a value the step functions ``step``
         read (not checked without them: a plan read from a file does not know them). A caller
         that checks at every call passes its ``watch`` (:class:`ConditionsWatch`)."""
-        now = (Conditions.of if watch is None else watch.of)(model, gradients=bool(self.trainable), step=step)
+        gradients = bool(self.trainable)
+        now = Conditions.of(model, gradients, step) if watch is None else watch.of(model, gradients, step, like=self)
+        if now is self:
+            return
         if not any(step):
             now = replace(now, step=self.step)
         if now != self:
@@ -493,24 +496,35 @@ class ConditionsWatch:
     """
 
     def __init__(self) -> None:
-        self._seen: tuple[Conditions, torch.nn.Module, _Watched, list[Any], list[Any]] | None = None
+        self._seen: tuple[Conditions, torch.nn.Module, bool, _Watched, list[Any], list[Any], tuple] | None = None
 
-    def of(self, model: torch.nn.Module, gradients: bool = True, step: Sequence[Callable | None] = ()) -> Conditions:
-        """:meth:`Conditions.of` ``(model, gradients, step)``, the last result while nothing it read changed."""
+    def of(
+        self,
+        model: torch.nn.Module,
+        gradients: bool = True,
+        step: Sequence[Callable | None] = (),
+        like: Conditions | None = None,
+    ) -> Conditions:
+        """:meth:`Conditions.of` ``(model, gradients, step)``, the last result while nothing it
+        read changed; ``like`` itself where they equal it (its step values aside where ``step``
+        names no function): a caller comparing with ``like`` then compares by identity."""
+        values = step_values(step)
         if self._seen is not None:
-            conditions, seen_model, watched, identities, described = self._seen
+            conditions, seen_model, seen_gradients, watched, identities, described, seen_values = self._seen
             if (
                 seen_model is model
-                and bool(conditions.trainable) == gradients
+                and seen_gradients == gradients
                 and _same(watched.identities(), identities)
                 and watched.described() == described
                 and autocast_state() == conditions.autocast
-                and step_values(step) == conditions.step
+                and values == seen_values
             ):
                 return conditions
         conditions = Conditions.of(model, gradients, step)
+        if like is not None and (conditions if any(step) else replace(conditions, step=like.step)) == like:
+            conditions = like
         watched = _watched(list(model.modules()))
-        self._seen = (conditions, model, watched, watched.identities(), watched.described())
+        self._seen = (conditions, model, gradients, watched, watched.identities(), watched.described(), values)
         return conditions
 
 
