@@ -37,6 +37,7 @@ import torch
 from magis.analysis.axes import bind
 from magis.ir.graph import Graph, Node, Ref, Role
 from magis.rules.builder import NodeBuilder
+from magis.rules.rewrite import reordered
 
 aten = torch.ops.aten
 
@@ -204,12 +205,20 @@ def _elements(graph: Graph, name: str) -> tuple[str, str]:
 
 @dataclass
 class _Edit:
-    """Replacements gathered over one pass, applied as one :meth:`Graph.replace`."""
+    """Replacements gathered over one pass, applied as one :meth:`Graph.replace`, each
+    replaced node's new nodes listed where it was.
+
+    :meth:`Graph.replace` lists a new node after its inputs, and a chain of new nodes can
+    drift past the kept nodes after the one it replaces: a draw reading its stand-in came
+    after a ``torch.rand`` that eager runs after the dropout, against the order edge of
+    the random chain, and the rules that read the node list as a schedule (``canonical``'s
+    merge of duplicates) then rebuilt the graph in an order that is not one.
+    """
 
     remove: list[str] = field(default_factory=list)
     add: list[Node] = field(default_factory=list)
     rename: dict[str, str] = field(default_factory=dict)
-    in_place_of: dict[str, str] = field(default_factory=dict)
+    in_place_of: dict[str, list[str]] = field(default_factory=dict)  # replaced node -> its new nodes
     random: dict[str, str] = field(default_factory=dict)  # replaced random op -> its new draw
 
     def replace(
@@ -224,7 +233,7 @@ class _Edit:
         self.remove.extend([name, *filter(None, drop)])
         self.add.extend(build.nodes)
         self.rename.update({old: new for old, new in rename.items() if old})
-        self.in_place_of.update(dict.fromkeys((n.name for n in build.nodes), name))
+        self.in_place_of[name] = [n.name for n in build.nodes]
         if random is not None:
             self.random[random[0]] = random[1]
 
@@ -232,4 +241,6 @@ class _Edit:
         if not self.remove:
             return graph
         edges = tuple((self.random.get(a, a), self.random.get(b, b)) for a, b in graph.order_edges)
-        return graph.replace(self.remove, self.add, self.rename, edges, self.in_place_of)
+        rewritten = graph.replace(self.remove, self.add, self.rename, edges)
+        order = [new for name in graph.index for new in self.in_place_of.get(name, (name,)) if new in rewritten]
+        return reordered(rewritten, order)
