@@ -468,7 +468,10 @@ class Graph:
         floors = {
             new: bisect.bisect_left(kept_positions, self.index[old]) - 1 for new, old in (in_place_of or {}).items()
         }
-        nodes = topological_merge(kept, list(add), floors)
+        edges = self.order_edges if order_edges is None else order_edges
+        edges = tuple((rename.get(a, a), rename.get(b, b)) for a, b in edges)
+        edges = tuple((a, b) for a, b in edges if a not in removed and b not in removed)
+        nodes = topological_merge(kept, list(add), floors, edges)
         sig = self.signature
         if rename:
             sig = replace(
@@ -478,9 +481,6 @@ class Graph:
                 buffer_updates={k: rename.get(v, v) for k, v in sig.buffer_updates.items()},
                 results=tuple(rename.get(r, r) for r in sig.results),
             )
-        edges = self.order_edges if order_edges is None else order_edges
-        edges = tuple((rename.get(a, a), rename.get(b, b)) for a, b in edges)
-        edges = tuple((a, b) for a, b in edges if a not in removed and b not in removed)
         return Graph(tuple(nodes), tuple(rename.get(o, o) for o in self.outputs), sig, edges)
 
     def fresh_name(self, base: str) -> str:
@@ -531,8 +531,31 @@ def _reach(start: str, edges: dict[str, tuple[str, ...]]) -> set[str]:
     return seen
 
 
-def topological_merge(kept: list[Node], added: list[Node], floors: Mapping[str, int] | None = None) -> list[Node]:
-    """Sort ``kept`` (already in order) plus ``added`` topologically.
+def _dependencies(
+    nodes: Sequence[Node], order_edges: Sequence[tuple[str, str]]
+) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Each node's count of predecessors and its successors: its inputs and readers, and the
+    ``order_edges`` between ``nodes``."""
+    indeg = {n.name: len(n.inputs) for n in nodes}
+    users: dict[str, list[str]] = {n.name: [] for n in nodes}
+    for n in nodes:
+        for p in n.inputs:
+            users[p].append(n.name)
+    for before, after in order_edges:
+        if before in users and after in users:
+            users[before].append(after)
+            indeg[after] += 1
+    return indeg, users
+
+
+def topological_merge(
+    kept: list[Node],
+    added: list[Node],
+    floors: Mapping[str, int] | None = None,
+    order_edges: Sequence[tuple[str, str]] = (),
+) -> list[Node]:
+    """Sort ``kept`` (already in order) plus ``added`` topologically, ``order_edges``
+    (the chain of random ops) honoured as dependencies: the node list stays a schedule.
 
     Kept nodes keep their relative order; each added node goes right after the last
     of its inputs, or after ``kept[floors[name]]`` if that is later (ties broken by
@@ -552,11 +575,7 @@ def topological_merge(kept: list[Node], added: list[Node], floors: Mapping[str, 
     for j, n in enumerate(nodes):  # a node that writes in place runs after every reader: last
         if writes(n):
             priority[n.name] = (float("inf"), j)
-    indeg = {n.name: len(n.inputs) for n in nodes}
-    users: dict[str, list[str]] = {n.name: [] for n in nodes}
-    for n in nodes:
-        for p in n.inputs:
-            users[p].append(n.name)
+    indeg, users = _dependencies(nodes, order_edges)
     heap = [(priority[name], name) for name, d in indeg.items() if d == 0]
     heapq.heapify(heap)
     out: list[Node] = []
