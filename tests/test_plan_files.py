@@ -5,7 +5,10 @@ clear error before anything runs, a near miss keeps its plan, and a quiet search
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +174,27 @@ def test_progress_false_prints_nothing(capfd):
     magis.optimize(model, (x,), memory_limit=0.6, **OPTIONS)
     assert capfd.readouterr() == ("", "")
     assert cost_model("cpu", progress=False).progress is False  # the operator-timing bar is off too
+
+
+def test_a_models_code_is_recorded_alike_in_processes_of_other_string_hash_seeds(tmp_path):
+    """A plan file records the code of the model's classes; another process must read the same
+    code as the same (a set literal in a method compiles to a frozenset, ordered by the string
+    hash seed), or every plan would be refused as edited."""
+    source = tmp_path / "user_model.py"
+    source.write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def forward(self, x, mode='gelu'):\n"
+        "        return x.relu() if mode in {'relu', 'relu6', 'leaky', 'prelu', 'elu'} else x\n"
+    )
+    script = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import user_model, magis.frontend.conditions as c; "
+        "print(c.module_records(user_model.Net()))"
+    )
+    records = {
+        subprocess.run(
+            [sys.executable, "-c", script], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(records) == 1 and "Net" in records.pop()

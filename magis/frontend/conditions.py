@@ -169,7 +169,7 @@ def _function_digest(function: types.FunctionType) -> str:
             if isinstance(constant, types.CodeType):
                 code_bytes(constant)
             else:
-                digest.update(repr(constant).encode())
+                digest.update(_constant_text(constant).encode())
 
     code_bytes(function.__code__)
     state = [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
@@ -185,6 +185,16 @@ def _function_digest(function: types.FunctionType) -> str:
             recorded = _recorded(value)
         digest.update(b"?" if recorded is _UNRECORDED else repr(recorded).encode())
     return digest.hexdigest()
+
+
+def _constant_text(constant: Any) -> str:
+    """A code constant's text, the same in every process (a frozenset's items sorted: ``x in
+    {"a", "b"}`` compiles to one, whose order follows the string hash seed)."""
+    if isinstance(constant, frozenset):
+        return f"frozenset({sorted(map(_constant_text, constant))})"
+    if isinstance(constant, tuple):
+        return f"({', '.join(map(_constant_text, constant))})"
+    return repr(constant)
 
 
 def _holds_settings(value: Any) -> bool:
