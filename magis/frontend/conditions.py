@@ -81,15 +81,16 @@ def autocast_state() -> tuple[tuple[str, torch.dtype | None], ...]:
     )
 
 
-def _hook_names(hooks: dict) -> tuple[Any, ...]:
+def _hook_records(hooks: dict) -> tuple[Any, ...]:
     """The hooks as recorded: each function's name, code and state (:func:`_recorded`), a hook
     object's class and settings; the same in another process, unlike their handles."""
-    if not hooks:  # nearly every module's: a plan checks them at every call (Conditions.check)
+    if not hooks:  # nearly every module's
         return ()
     return tuple(_hook_record(hook) for hook in hooks.values())
 
 
 def _hook_record(hook: Any) -> Any:
+    """One hook recorded: a function by :func:`_recorded`, a hook object by its class and settings."""
     recorded = _recorded(hook)
     if recorded is not _UNRECORDED:
         return recorded
@@ -286,7 +287,7 @@ def module_records(model: torch.nn.Module) -> tuple[ModuleRecord, ...]:
     codes: dict[type, str] = {}
     for name, module in model.named_modules():
         attributes = vars(module)
-        hooks = tuple(_hook_names(attributes[attr]) for attr in MODULE_HOOKS)
+        hooks = tuple(_hook_records(attributes[attr]) for attr in MODULE_HOOKS)
         settings = tuple(_settings(attributes, name, seen))
         kind = type(module)
         code = codes[kind] if kind in codes else codes.setdefault(kind, _class_code(kind))
@@ -318,7 +319,7 @@ class Conditions:
     trainable: tuple[tuple[str, bool, bool], ...]
     global_hooks: tuple[tuple[str, ...], ...]
     autocast: tuple[tuple[str, torch.dtype | None], ...]
-    #: the plain values the user's step functions read from their globals and closures (:func:`step_values`)
+    #: the values the user's step functions read from their globals and closures (:func:`step_values`)
     step: tuple[tuple[str, Any], ...] = ()
 
     @staticmethod
@@ -326,7 +327,7 @@ class Conditions:
         """The conditions here and now, for ``model`` (``gradients=False``: an inference, which
         does not depend on which parameters are trainable) and the user's step functions ``step``."""
         trainable = tuple((n, p.requires_grad, _hooked(p)) for n, p in model.named_parameters()) if gradients else ()
-        global_hooks = tuple(_hook_names(getattr(nn_module, attr, {})) for attr in GLOBAL_HOOKS)
+        global_hooks = tuple(_hook_records(getattr(nn_module, attr, {})) for attr in GLOBAL_HOOKS)
         return Conditions(module_records(model), trainable, global_hooks, autocast_state(), step_values(step))
 
     def check(
