@@ -169,8 +169,9 @@ def _function_digest(function: types.FunctionType) -> str:
         for constant in code.co_consts:
             if isinstance(constant, types.CodeType):
                 code_bytes(constant)
-            else:
-                digest.update(_constant_text(constant).encode())
+            else:  # a literal; a set literal's frozenset in sorted order (:func:`_recorded`), as the hash seed does not
+                recorded = _recorded(constant)
+                digest.update(repr(constant if recorded is _UNRECORDED else recorded).encode())
 
     code_bytes(function.__code__)
     state = [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
@@ -186,16 +187,6 @@ def _function_digest(function: types.FunctionType) -> str:
             recorded = _recorded(value)
         digest.update(b"?" if recorded is _UNRECORDED else repr(recorded).encode())
     return digest.hexdigest()
-
-
-def _constant_text(constant: Any) -> str:
-    """A code constant's text, the same in every process (a frozenset's items sorted: ``x in
-    {"a", "b"}`` compiles to one, whose order follows the string hash seed)."""
-    if isinstance(constant, frozenset):
-        return f"frozenset({sorted(map(_constant_text, constant))})"
-    if isinstance(constant, tuple):
-        return f"({', '.join(map(_constant_text, constant))})"
-    return repr(constant)
 
 
 def _holds_settings(value: Any) -> bool:
