@@ -27,9 +27,11 @@ class Net(nn.Module):
         # settings in a config object and the config it holds, as transformers keeps them
         self.config = SimpleNamespace(scale=1.0, text=SimpleNamespace(width=64))
         self.widths, self.squash = [16, 64], torch.relu  # settings that are not numbers
+        self._temperature = 1.0  # a private setting: the forward reads it as it reads a public one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(self.drop(self.act(self.b(self.act(self.a(x)))))) * self.config.scale
+        logits = self.c(self.drop(self.act(self.b(self.act(self.a(x))))))
+        return logits * self.config.scale / self._temperature
 
 
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,11 @@ def _inner_config(model):
     return lambda: setattr(model.config.text, "width", 64)
 
 
+def _private(model):
+    model._temperature = 0.5
+    return lambda: setattr(model, "_temperature", 1.0)
+
+
 def _list_in_place(model):
     model.widths.append(4)
     return model.widths.pop
@@ -110,6 +117,7 @@ CHANGES = {
     "replaced": (_replace, "submodule 'act' is a Tanh; the plan was made with a ReLU there"),
     "dropout rate": (_dropout_rate, r"submodule 'drop' \(Dropout\) has p=0.5; the plan was made with p=0.1"),
     "inner config": (_inner_config, r"config.text.width=32; the plan was made with config.text.width=64"),
+    "private setting": (_private, r"the model \(Net\) has _temperature=0.5; the plan was made with _temperature=1.0"),
     "list changed in place": (
         _list_in_place,
         r"widths=list\[16, 64, 4\]; the plan was made with widths=list\[16, 64\]",

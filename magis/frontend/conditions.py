@@ -67,6 +67,9 @@ _NOT_CONFIGS = (types.FunctionType, types.MethodType, functools.partial, types.B
 _UNRECORDED = object()
 #: how deep a config's configs are read (a transformers config's ``text_config``)
 SETTINGS_DEPTH = 2
+#: the attributes every module holds for torch (its parameters, buffers, submodules and hooks:
+#: recorded by kind, not as settings); a user's class's other private attributes are settings
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 #: one module as a step was captured with it: (qualified name, class, training, hooks, settings,
 #: a digest of its class's code where the class is not a library's)
@@ -214,7 +217,7 @@ def _settings(
     (``seen``: where each was first met, by identity); ``private`` names too; of a config, only
     the attributes in ``names`` where given."""
     for key, value in attributes.items():
-        if (key[0] == "_" and not private) or key == "training" or key[:2] == "__":
+        if (key[0] == "_" and not private) or key == "training" or key[:2] == "__" or key in _MODULE_INTERNALS:
             continue
         if depth > 0 and names is not None and key not in names:
             continue
@@ -279,8 +282,10 @@ def module_records(model: torch.nn.Module) -> tuple[ModuleRecord, ...]:
     for name, module in model.named_modules():
         attributes = vars(module)
         hooks = tuple(_hook_records(attributes[attr]) for attr in MODULE_HOOKS)
-        settings = tuple(_settings(attributes, name, seen))
         kind = type(module)
+        # a user's forward reads its private attributes as it reads its public ones (a
+        # ``self._temperature``); torch's own keep there what their public ones derive
+        settings = tuple(_settings(attributes, name, seen, private=_holds_settings(kind)))
         code = codes[kind] if kind in codes else codes.setdefault(kind, _class_code(kind))
         records.append((name, kind.__qualname__, module.training, hooks, settings, code))
     return tuple(records)
