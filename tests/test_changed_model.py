@@ -27,11 +27,11 @@ class Net(nn.Module):
         # settings in a config object and the config it holds, as transformers keeps them
         self.config = SimpleNamespace(scale=1.0, text=SimpleNamespace(width=64))
         self.widths, self.squash = [16, 64], torch.relu  # settings that are not numbers
-        self._temperature = 1.0  # a private setting: the forward reads it as it reads a public one
+        self._temperature, self._shift = 1.0, [0.0]  # private settings: read as public ones are
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.c(self.drop(self.act(self.b(self.act(self.a(x))))))
-        return logits * self.config.scale / self._temperature
+        return logits * self.config.scale / self._temperature + self._shift[0]
 
 
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -80,6 +80,11 @@ def _private(model):
     return lambda: setattr(model, "_temperature", 1.0)
 
 
+def _private_list_in_place(model):
+    model._shift[0] = 1.0
+    return lambda: model._shift.__setitem__(0, 0.0)
+
+
 def _list_in_place(model):
     model.widths.append(4)
     return model.widths.pop
@@ -118,6 +123,10 @@ CHANGES = {
     "dropout rate": (_dropout_rate, r"submodule 'drop' \(Dropout\) has p=0.5; the plan was made with p=0.1"),
     "inner config": (_inner_config, r"config.text.width=32; the plan was made with config.text.width=64"),
     "private setting": (_private, r"the model \(Net\) has _temperature=0.5; the plan was made with _temperature=1.0"),
+    "private list changed in place": (
+        _private_list_in_place,
+        r"_shift=list\[1.0\]; the plan was made with _shift=list\[0.0\]",
+    ),
     "list changed in place": (
         _list_in_place,
         r"widths=list\[16, 64, 4\]; the plan was made with widths=list\[16, 64\]",
