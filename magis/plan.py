@@ -44,7 +44,7 @@ from magis.backend.codegen import GeneratedStep, generate
 from magis.backend.compiled import compiled_segments
 from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
-from magis.backend.runtime import RUNTIMES, Runtime, StepRunner, run_program
+from magis.backend.runtime import RUNTIMES, ModuleInputs, Runtime, StepRunner, run_program
 from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
@@ -154,6 +154,11 @@ class Plan:
         return ConditionsWatch()
 
     @cached_property
+    def module_inputs(self) -> ModuleInputs:
+        """The step's parameters and buffers as found in :attr:`model`, bound at each call."""
+        return ModuleInputs(self.program.graph, self.model)
+
+    @cached_property
     def program(self) -> Program:
         return lower(self.graph, self.order)
 
@@ -186,7 +191,14 @@ class Plan:
             _check_whole_step(self.model, self.optimizer, grad_scale)
         in_plan = self.optimizer if self.graph.signature.optimizer else None
         with seeded(self.grad_seed, grad_scale), autocast_off():
-            result = run_program(self.program, self.model, inputs, optimizer=in_plan, runtime=self._runner())
+            result = run_program(
+                self.program,
+                self.model,
+                inputs,
+                optimizer=in_plan,
+                runtime=self._runner(),
+                module_inputs=self.module_inputs,
+            )
         if in_plan is not None:
             in_plan._opt_called = True  # what optimizer.step() sets: an LR scheduler checks it was stepped
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -210,7 +222,8 @@ class Plan:
         if grad_scale is not None:
             raise ValueError("grad_scale scales a backward: an inference plan (inference=True) has none")
         with autocast_off():
-            result = run_program(self.program, self.model, inputs, runtime=self._runner())
+            runner = self._runner()
+            result = run_program(self.program, self.model, inputs, runtime=runner, module_inputs=self.module_inputs)
         return pytree.tree_unflatten(list(result.outputs), self.output_spec)
 
     def _runner(self) -> Runtime | StepRunner:

@@ -334,8 +334,11 @@ def test_max_relative_error_sees_real_errors_not_round_off():
         max_relative_error({"a": big}, {"a": big, "b": tiny})
 
 
-def test_binding_finds_every_parameter_and_buffer_by_each_of_its_names():
-    from magis.backend.runtime import module_tensors
+def test_binding_finds_every_parameter_and_buffer_by_each_of_its_names_and_what_replaced_them():
+    from magis.backend.runtime import ModuleTensors
+
+    def module_tensors(model, names):
+        return ModuleTensors(model, names).current()
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -356,6 +359,19 @@ def test_binding_finds_every_parameter_and_buffer_by_each_of_its_names():
     missing = ["absent", "norm.weight.x", "tail.weight", "head.1.weight", "norm.running_mean"]
     assert module_tensors(model, [(name, "_parameters") for name in missing]) == [None] * len(missing)
     assert module_tensors(model, [("embed.weight", "_buffers"), ("absent", "_buffers")]) == [None, None]
+
+    # found once, read at each call: a parameter, a submodule on the path, a missing one set since
+    found = ModuleTensors(model, [("head.0.weight", "_parameters"), ("norm.running_mean", "_buffers"), *wanted[:1]])
+    model.head[0].weight = nn.Parameter(torch.ones(5, 3))
+    model.norm = nn.BatchNorm1d(3)
+    assert found.current() == [model.head[0].weight, model.norm.running_mean, model.embed.weight]
+    model.head = nn.Sequential(nn.Linear(3, 5, bias=False))
+    model.head.add_module("1", nn.Linear(5, 5))
+    later = ModuleTensors(model, [("head.0.weight", "_parameters"), ("head.1.weight", "_parameters")])
+    del model.head[1]
+    assert later.current() == [model.head[0].weight, None]
+    model.head.add_module("1", nn.Linear(5, 2))
+    assert later.current() == [model.head[0].weight, model.head[1].weight]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

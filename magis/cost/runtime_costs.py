@@ -18,7 +18,7 @@ import torch
 
 from magis.backend.codegen import generate
 from magis.backend.program import lower
-from magis.backend.runtime import bind
+from magis.backend.runtime import ModuleInputs, bind
 from magis.cost.op_timing import synchronizer
 from magis.ir.graph import Graph, Node, Ref, Role, Signature, TensorMeta
 
@@ -35,8 +35,8 @@ class RuntimeCosts:
     values that died), ``getitem_s`` per ``getitem`` instruction (picking the element,
     which no profile times),
     and what binding the step's inputs costs (:func:`magis.backend.runtime.bind`):
-    ``lookup_s`` per submodule on the way to a parameter or buffer, ``input_s`` per
-    input bound (:func:`binding_seconds`)."""
+    ``lookup_s`` per submodule on the way to a parameter or buffer (checked to be its
+    parent's still), ``input_s`` per input bound (:func:`binding_seconds`)."""
 
     instruction_s: float
     getitem_s: float
@@ -45,9 +45,9 @@ class RuntimeCosts:
 
 
 def lookup_steps(signature: Signature) -> int:
-    """How many submodules binding looks up to find the step's parameters and buffers
-    (:func:`magis.backend.runtime.module_tensors`): every module path that leads to
-    one of them, the root (which needs no lookup) left out."""
+    """How many submodules binding checks on the way to the step's parameters and buffers
+    (:class:`magis.backend.runtime.ModuleTensors`): every module path that leads to
+    one of them, the root left out."""
     paths: set[str] = set()
     for name in (*signature.parameters.values(), *signature.buffers.values()):
         parts = name.split(".")[:-1]
@@ -115,7 +115,8 @@ def measure_runtime_costs(device: torch.device, rounds: int = OVERHEAD_ROUNDS) -
         weight = TensorMeta((1, 1), torch.float32, 4)  # a Linear(1, 1)'s, as binding checks
         weights = tuple(Node(f"p{i}", None, outputs=(weight,), aliases=(None,), role=Role.INPUT) for i in range(n))
         graph = Graph(weights, outputs=(), signature=Signature(parameters={w.name: p for w, p in zip(weights, names)}))
-        return lambda: bind(graph, holder, ())
+        found = ModuleInputs(graph, holder)  # as a plan finds its model's tensors once
+        return lambda: bind(graph, holder, (), module_inputs=found)
 
     with torch.no_grad():
         runtime_s = _block_seconds(lambda: step({"x": x}), device, rounds)
