@@ -489,11 +489,12 @@ def restore_settings(model: torch.nn.Module, records: tuple[ModuleRecord, ...]) 
 class ConditionsWatch:
     """:meth:`Conditions.of` for a model called again and again, at the cost of a glance.
 
-    :func:`module_records` costs a few microseconds per submodule (RandWire's 503: 2 ms a
-    call, 9% of its forward at batch 1). The watch keeps, by identity, every object those
-    records and the parameters' trainability read: the keys and values of the mappings they
-    read (:func:`_watched`: each submodule's attributes, children, parameters and hooks, its
-    configs' and hook objects' attributes, torch.nn's global hooks) and each parameter's
+    :func:`module_records` costs a few microseconds per submodule (RandWire's 503: 3 ms a
+    call, 15% of its forward at batch 1). The watch keeps, by identity, every object those
+    records and the parameters' trainability read: the keys (by their count) and values of
+    the mappings they read (:func:`_watched`: each submodule's attributes, children,
+    parameters and hooks, its configs' and hook objects' attributes, torch.nn's global
+    hooks) and each parameter's
     ``requires_grad`` and hooks; the settings that can change in place (a list, a function's
     closure) it describes again (:func:`_recorded`); the autocast state and the step
     functions' values it reads again. While none of them changed, the conditions are the
@@ -580,13 +581,14 @@ class _Watched:
             *map(type, self.modules),
             *map(vars, self.modules),
             *values,
-            *(p.requires_grad for p in self.params),
+            *map(_REQUIRES_GRAD, self.params),
             *map(_hooked, self.params),
         ]
         return _Glance(identities, list(map(len, self.mappings)), [_recorded(value) for value in self.in_place])
 
 
 _CALL = operator.itemgetter.__call__
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 #: settings that may change in place, without their attribute being set: described at every glance
 _IN_PLACE = (list, dict, set, types.FunctionType, functools.partial, types.MethodType)
 
