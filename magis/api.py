@@ -264,7 +264,7 @@ def optimize(
     step = UserStep(loss_fn, training_step)  # bad input fails before the capture
     spec = BatchSpec.of(batch)
     if inference:
-        _check_inference(loss_fn, training_step, optimizer, max_grad_norm)
+        check_inference_options(loss_fn, training_step, optimizer, max_grad_norm)
     _check_optimizer(model, optimizer, max_grad_norm)
     if latency_limit is not None and (
         isinstance(latency_limit, bool) or not isinstance(latency_limit, (int, float)) or not latency_limit >= 1.0
@@ -364,7 +364,7 @@ def _verification(
     return verify_step(graph, memory.peak - memory.persistent_bytes, model, batch, step, seed)
 
 
-def _check_inference(loss_fn: Any, training_step: Any, optimizer: Any, max_grad_norm: Any) -> None:
+def check_inference_options(loss_fn: Any, training_step: Any, optimizer: Any, max_grad_norm: Any) -> None:
     """An inference plan has no loss and no update: refuse what only a training step takes."""
     given = [
         name

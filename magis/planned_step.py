@@ -1,4 +1,4 @@
-"""``magis.planned``: a training step planned once per input signature, as torch.compile recompiles.
+"""``magis.planned``: a training step (or a forward) planned once per input signature, as torch.compile recompiles.
 
 A DataLoader's last batch is often smaller, and a collator that pads to the longest
 sequence of each batch yields another shape almost every time; a :class:`~magis.plan.Plan`
@@ -8,6 +8,8 @@ dtypes and devices of its tensors, every submodule's mode, class, settings and h
 which parameters are trainable, the autocast state) and runs it; a signature seen for the
 first time is planned by :func:`magis.optimize` with the same limits and search
 options. A byte limit applies to every shape; a fraction is of each shape's own peak.
+With ``inference=True`` it is the model's forward, planned as :func:`magis.optimize`
+plans one (an evaluation loop's last batch, a server's batch sizes).
 
 Plans are written to ``cache_dir`` (:mod:`magis.plan_file`) under a hash of what
 determines them: the captured step (every operator, shape and parameter name, so a
@@ -30,11 +32,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from magis.api import optimize
+from magis.api import check_inference_options, optimize
 from magis.backend.runtime import DivisorError
 from magis.backend.verify import forked_rng
 from magis.cost.timing_cache import default_cache_path
-from magis.frontend.capture import capture
+from magis.frontend.capture import capture, capture_forward
 from magis.frontend.conditions import Conditions, ConditionsWatch
 from magis.frontend.optimizer import group_layout
 from magis.frontend.step import LossFn, TrainingStep, UserStep, as_batch, user_model
@@ -57,6 +59,7 @@ def planned(
     latency_limit: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     max_grad_norm: float | None = None,
+    inference: bool = False,
     cache_dir: str | Path | None = None,
     max_plans: int = DEFAULT_MAX_PLANS,
     **search_options: Any,
@@ -68,14 +71,23 @@ def planned(
     ``search_options`` (``time_budget``, ``max_states``, ``device``, ``seed``, ``progress``...)
     are :func:`magis.optimize`'s: with ``optimizer``, each call is the whole step, the update
     included (a plan file is keyed by the optimizer's type and the options that shape its
-    update, not its learning rate, which a scheduler changes).
+    update, not its learning rate, which a scheduler changes). With ``inference=True``,
+    ``step(*batch)`` is the model's forward (no loss, no gradients; the modules in their
+    modes), returning its output; it takes no ``loss_fn``, ``training_step``, ``optimizer``
+    or ``max_grad_norm``.
     ``cache_dir`` defaults to ``plans/`` in magis' cache directory (``$MAGIS_CACHE_DIR``,
     else ``~/.cache/magis``).
     """
+    if not isinstance(inference, bool):
+        raise ValueError(f"inference is True or False, got {inference!r}")
+    if inference:
+        check_inference_options(loss_fn, training_step, optimizer, max_grad_norm)
     step = UserStep(loss_fn, training_step)  # both given: a ValueError
     if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
         raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
     options = dict(search_options, memory_limit=memory_limit, latency_limit=latency_limit, max_grad_norm=max_grad_norm)
+    if inference:  # only then: a training step's plan files keep their names
+        options["inference"] = True
     root = Path(cache_dir) if cache_dir is not None else default_cache_path(torch.device("cpu")).parent / "plans"
     return PlannedStep(user_model(model), step, options, root, max_plans, optimizer)
 
@@ -99,17 +111,18 @@ class PlannedStep:
         self.searches = 0
         self.loaded = 0
         self.watch = ConditionsWatch()  # what each call's signature glances at
+        self.inference = bool(options.get("inference"))
 
-    def __call__(self, *batch: Any) -> torch.Tensor:
+    def __call__(self, *batch: Any) -> Any:
         """One training step on ``batch``: the loss; gradients accumulated into ``.grad``, or with an
-        optimizer, the parameters updated."""
+        optimizer, the parameters updated. With ``inference``: the model's output."""
         args = _batch(batch)
         plan = self._plan_of(args)
         try:
             return _run(plan, args)
         except DivisorError as err:  # the weights broke a choice the plan made (raised as it binds: nothing ran)
             warnings.warn(f"magis: planning again, {err}", stacklevel=2)
-            key = signature(self.model, args, self.optimizer, self._functions(), self.watch)
+            key = self._signature(args)
             self.plans[key] = self._searched(args, self._path(args, key))
             return _run(self.plans[key], args)
 
@@ -117,8 +130,12 @@ class PlannedStep:
         """The plan that runs ``batch`` (given as to the step), made or read on first sight."""
         return self._plan_of(_batch(batch))
 
+    def _signature(self, args: tuple | Mapping) -> tuple:
+        functions = (self.step.loss_fn, self.step.training_step)
+        return signature(self.model, args, self.optimizer, functions, self.watch, gradients=not self.inference)
+
     def _plan_of(self, args: tuple | Mapping) -> Plan:
-        key = signature(self.model, args, self.optimizer, self._functions(), self.watch)
+        key = self._signature(args)
         plan = self.plans.get(key)
         if plan is None:
             plan = self._made_or_read(args, key)
@@ -146,7 +163,11 @@ class PlannedStep:
     def _path(self, batch: tuple | Mapping, key: tuple) -> Path:
         """Where the plan of ``batch``'s signature ``key`` is kept (:func:`file_key` of its captured step)."""
         with forked_rng(self.model):  # the caller's random stream stays eager's
-            graph = capture(self.model, batch, **self._step())
+            graph = (
+                capture_forward(self.model, batch).graph
+                if self.inference
+                else capture(self.model, batch, **self._step())
+            )
         return self.cache_dir / f"{file_key(graph, key, self.options)}.plan"
 
     def _searched(self, batch: tuple | Mapping, path: Path) -> Plan:
@@ -158,9 +179,6 @@ class PlannedStep:
         except (OSError, ValueError) as err:  # the step still runs; only the next process searches again
             warnings.warn(f"magis: could not keep the plan in {path}: {err}", stacklevel=3)
         return plan
-
-    def _functions(self) -> tuple[Callable[..., Any] | None, ...]:
-        return (self.step.loss_fn, self.step.training_step)
 
     def _step(self) -> dict[str, Any]:
         return {"loss_fn": self.step.loss_fn, "training_step": self.step.training_step}
@@ -181,20 +199,22 @@ def signature(
     optimizer: torch.optim.Optimizer | None = None,
     step: tuple[Callable[..., Any] | None, ...] = (),
     watch: ConditionsWatch | None = None,
+    gradients: bool = True,
 ) -> tuple:
     """What a plan is made for beyond the model's code: the batch's structure and its tensors'
     shapes, dtypes and devices (other values as they are), every submodule's mode, class,
     settings and hooks, which parameters are trainable and the autocast state
     (:class:`~magis.frontend.conditions.Conditions`), and the optimizer's type and param
     groups (:func:`~magis.frontend.optimizer.group_layout`: a group added is another plan).
-    A caller that asks at every call passes its ``watch``."""
+    A caller that asks at every call passes its ``watch``; an inference step's has no
+    ``gradients`` (which parameters are trainable does not matter)."""
     leaves, tree = pytree.tree_flatten(as_batch(batch))
     described = tuple(
         (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else (type(x).__name__, repr(x))
         for x in leaves
     )
     stepped = None if optimizer is None else (type(optimizer).__qualname__, group_layout(optimizer, model))
-    conditions = Conditions.of(model, step=step) if watch is None else watch.of(model, step=step)
+    conditions = Conditions.of(model, gradients, step) if watch is None else watch.of(model, gradients, step)
     return (tree, described, conditions, stepped)
 
 

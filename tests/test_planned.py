@@ -135,6 +135,53 @@ def test_a_plan_read_from_the_cache_runs_as_the_steps_options_say(tmp_path):
     assert plan.runtime == "compiled" and plan.cuda_graphs is False
 
 
+class Tagger(nn.Module):
+    """A user's sequence tagger with a dropout (live in training, off in eval) and a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm, self.drop = TinyLM(), nn.Dropout(0.3)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.drop(self.lm(ids))
+        return {"logits": logits, "best": logits.argmax(-1)}
+
+
+def test_an_inference_step_plans_each_shape_of_an_evaluation_loop_and_returns_eagers_outputs(tmp_path):
+    """``planned(..., inference=True)``: an evaluation loop's batches (another length, the last
+    smaller) each get the forward's plan, outputs as eager's under no_grad; a second step on the
+    same cache reads them; the model put in training mode is another signature, planned anew."""
+    torch.manual_seed(0)
+    net = Tagger().double().eval()
+    step = magis.planned(net, inference=True, latency_limit=1.2, cache_dir=tmp_path, **OPTIONS)
+    batches = [ids for ids, _ in loader()]
+    for ids in batches:
+        with torch.no_grad():
+            expected = net(ids)
+        got = step(ids)
+        assert got.keys() == expected.keys() and not got["logits"].requires_grad
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)  # a split sums in another order
+    assert (step.searches, step.loaded) == (SHAPES, 0)
+    again = magis.planned(net, inference=True, latency_limit=1.2, cache_dir=tmp_path, **OPTIONS)
+    torch.testing.assert_close(again(batches[-1]), step(batches[-1]), rtol=0, atol=0)
+    assert (again.searches, again.loaded) == (0, 1)
+    net.train()  # the dropout live now: the trace of eval mode would return the wrong outputs
+    torch.manual_seed(5)
+    with torch.no_grad():
+        expected = net(batches[0])
+    torch.manual_seed(5)
+    torch.testing.assert_close(step(batches[0]), expected, rtol=1e-12, atol=1e-14)
+    assert step.searches == SHAPES + 1
+
+
+def test_an_inference_step_takes_no_loss_or_optimizer():
+    net = TinyLM()
+    with pytest.raises(ValueError, match="without loss or update: drop training_step, optimizer"):
+        magis.planned(net, training_step=lm_step, optimizer=torch.optim.SGD(net.parameters()), inference=True)
+    with pytest.raises(ValueError, match="inference is True or False"):
+        magis.planned(net, inference="yes")
+
+
 def test_a_damaged_cache_file_is_planned_again(first_run, tmp_path):
     for path in first_run[0].glob("*.plan"):
         (tmp_path / path.name).write_bytes(path.read_bytes()[:100])
