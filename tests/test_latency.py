@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +33,7 @@ from magis.cost.latency import (
 from magis.cost.op_keys import in_step_key, measurable, node_key, op_key, replay_strides, step_context
 from magis.cost.op_timing import random_tensor
 from magis.cost.runtime_costs import lookup_steps
-from magis.cost.timing_cache import default_cache_path
+from magis.cost.timing_cache import LatencyCache, default_cache_path
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
 
@@ -304,6 +308,48 @@ def test_the_runtime_costs_are_measured_cached_and_added(
     expected = timed + steps * 1e-4 + inputs * 1e-5
     assert estimate_latency(conv_linear, order, again).total_s == pytest.approx(expected)
     assert again.measurements == 0
+
+
+def test_a_step_timed_while_other_processes_hold_every_core_is_priced_now_and_not_kept(
+    tmp_path: Path, one_thread: None
+) -> None:
+    """Beside two busy loops per core this process's thread runs about half the time or less
+    (several threads of torch would wait on each other's turns): a step of tens of
+    milliseconds, longer than the scheduler's turns, has no quiet run; the model warns, prices
+    with its times, and keeps them out of the file, so that a run on a quiet machine times
+    the step again. (A step shorter than a turn finds runs that ran whole, and keeps them.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    step = capture(model, (torch.randn(512, 512),), lambda out: out.sum())
+    path = tmp_path / "latency.json"
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.5)  # the loops started
+        priced = ProfiledCostModel(cache_path=path, repeats=2)
+        with pytest.warns(UserWarning, match="kept this machine's cores busy while the step's .* were timed"):
+            busy_s = estimate_latency(step, order_of(step), priced).total_s
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert busy_s > 0 and priced.cache.in_step and priced.cache.unsaved == priced.cache.in_step.keys()
+    saved = json.loads(path.read_text())
+    assert saved["in_step"] == {} and saved["runtime_costs"]  # what was timed alone is kept
+    again = ProfiledCostModel(cache_path=path, repeats=2)
+    assert not again.cache.in_step  # the next model times the step again
+
+
+def test_times_kept_out_of_the_file_give_way_to_another_processes_quiet_ones(tmp_path: Path) -> None:
+    busy, quiet = LatencyCache(tmp_path / "latency.json"), LatencyCache(tmp_path / "latency.json")
+    busy.in_step.update(step=9.0, other=1.0)
+    busy.unsaved.add("step")
+    busy.save()
+    assert json.loads(busy.path.read_text())["in_step"] == {"other": 1.0}
+    quiet.in_step["step"] = 2.0  # timed quietly in another process meanwhile
+    quiet.save()
+    busy.save()
+    assert json.loads(busy.path.read_text())["in_step"] == {"other": 1.0, "step": 2.0}
+    assert busy.in_step["step"] == 2.0 and not busy.unsaved
 
 
 def test_a_step_that_cannot_run_in_place_is_timed_operator_by_operator(

@@ -27,6 +27,7 @@ import itertools
 import logging
 import math
 import operator
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -575,8 +576,16 @@ class ProfiledCostModel:
         by_key: dict[str, list[float]] = {}
         for name, key in step_keys.items():
             if key not in self.cache.in_step:
-                by_key.setdefault(key, []).append(times[name])
+                by_key.setdefault(key, []).append(times.seconds[name])
         self.cache.in_step.update((key, sum(ts) / len(ts)) for key, ts in by_key.items())
+        if not times.quiet:  # priced by them in this process, timed again by the next
+            self.cache.unsaved.update(by_key)
+            warnings.warn(
+                f"magis: other processes kept this machine's cores busy while the step's {len(graph)} nodes were "
+                "timed in place, so its latency estimates may be far off (torch's threads wait on each other's "
+                "turns): these times are used now and not kept; optimize on a quiet machine for a faithful plan",
+                stacklevel=2,
+            )
         self.measurements += len(by_key)
         self.cache.save()
 

@@ -18,6 +18,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +43,13 @@ IN_STEP_MIN_SECONDS = 0.25
 #: an instruction timed in its step that takes more than this many times its median
 #: was interrupted (another process took the core): the sample is dropped.
 OUTLIER_FACTOR = 3.0
+#: a run of a step in which this process's main thread ran for less of the wall time shared
+#: the cores with another process: on a CPU whose cores are all busy, torch's intra-op
+#: threads wait on each other's turns (a 4.7 ms forward took 540 ms beside two busy loops on
+#: two cores). Such runs are not counted while others are found.
+QUIET_SHARE = 0.9
+#: a step timed in place runs at most this many times its runs asked for, looking for quiet runs
+IN_STEP_MAX_FACTOR = 3
 
 log = logging.getLogger(__name__)
 
@@ -195,13 +203,22 @@ def measure_nodes(
                 yield name, times.get(name)
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """What :func:`measure_in_step` found: the ``seconds`` of each instruction, and whether
+    they come from ``quiet`` runs (the machine's cores were this process's, :data:`QUIET_SHARE`)."""
+
+    seconds: dict[str, float]
+    quiet: bool
+
+
 def measure_in_step(
     graph: Graph,
     strides: Mapping[str, NodeStrides],
     device: torch.device,
     runs: int,
     on_run: Callable[[], Any] | None = None,
-) -> dict[str, float]:
+) -> StepTimes:
     """Seconds of each instruction of ``graph`` timed where it stands in its step.
 
     The interpreter (:func:`magis.backend.interpreter.execute`) runs the graph in its node
@@ -215,7 +232,10 @@ def measure_in_step(
     their total time count, as a median step time would: on a shared machine a
     neighbour can slow the core down for tens of milliseconds, and the fastest runs
     are the lucky ones. Each instruction gets :func:`_typical_seconds` of its samples
-    in those runs. Raises what the step raises when it cannot run. The random number
+    in those runs. Only quiet runs count (:data:`QUIET_SHARE`: the main thread ran nearly
+    all the time), and the step runs again, up to :data:`IN_STEP_MAX_FACTOR` times the runs
+    asked for, until enough are; where too few are, every run counts and the times are
+    not ``quiet``. Raises what the step raises when it cannot run. The random number
     generators are left as they were. ``on_run`` is called after each run (a progress bar).
     """
     program = lower(graph)
@@ -230,16 +250,27 @@ def measure_in_step(
         }
         execute(program, dict(inputs))  # warm-up
         plain: list[float] = []
+        quiet_timed: list[list[float]] = []
+        quiet_plain: list[float] = []
         started = time.perf_counter()
-        while len(timed) < runs or time.perf_counter() - started < IN_STEP_MIN_SECONDS:
+        while len(quiet_timed) < runs or time.perf_counter() - started < IN_STEP_MIN_SECONDS:
+            if len(timed) >= IN_STEP_MAX_FACTOR * runs and time.perf_counter() - started >= IN_STEP_MIN_SECONDS:
+                break
             seconds: list[float] = []
-            execute(program, dict(inputs), seconds)
+            with _Share() as interpreted:
+                execute(program, dict(inputs), seconds)
+            with _Share() as run:
+                generated(dict(inputs))
             timed.append(seconds)
-            start = time.perf_counter()
-            generated(dict(inputs))
-            plain.append(time.perf_counter() - start)
+            plain.append(run.wall)
+            if interpreted.quiet and run.quiet:
+                quiet_timed.append(seconds)
+                quiet_plain.append(run.wall)
             if on_run is not None:
                 on_run()
+    quiet = len(quiet_timed) >= runs
+    if quiet:
+        timed, plain = quiet_timed, quiet_plain
     by_total = sorted(timed, key=sum)
     kept = by_total[len(by_total) // 4 : len(by_total) - len(by_total) // 4]  # the middle half
     typical = [_typical_seconds([run[i] for run in kept]) for i in range(len(program.instructions))]
@@ -247,7 +278,20 @@ def measure_in_step(
     # neither maps arguments nor reads a clock), shared among the instructions: they then add
     # up to a plain run.
     between = (statistics.median(plain) - sum(typical)) / max(1, len(typical))
-    return {ins.node: max(0.0, t + between) for ins, t in zip(program.instructions, typical)}
+    return StepTimes({ins.node: max(0.0, t + between) for ins, t in zip(program.instructions, typical)}, quiet)
+
+
+class _Share:
+    """The wall time of a ``with`` block, and whether this thread ran for
+    :data:`QUIET_SHARE` of it (its CPU time, the kernel's work for it included)."""
+
+    def __enter__(self) -> _Share:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.quiet = time.thread_time() - self._cpu >= QUIET_SHARE * self.wall
 
 
 def _typical_seconds(samples: Sequence[float]) -> float:

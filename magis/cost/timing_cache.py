@@ -43,12 +43,14 @@ class LatencyCache:
     and the runtime's own costs (:class:`magis.cost.runtime_costs.RuntimeCosts` as a dict, ``None`` until measured).
 
     Saving merges with what other processes wrote meanwhile and replaces the file
-    atomically, so concurrent runs never corrupt it.
+    atomically, so concurrent runs never corrupt it. The in-step times of ``unsaved`` keys
+    (timed while other processes held the cores) are this process's alone, never written.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.ops, self.in_step, self.device_profile, self.runtime_costs = self._read()
+        self.unsaved: set[str] = set()
 
     def _read(
         self,
@@ -65,7 +67,9 @@ class LatencyCache:
     def save(self) -> None:
         ops, in_step, profile, runtime = self._read()
         ops.update(self.ops)
-        in_step.update(self.in_step)
+        quietly = self.unsaved & in_step.keys()  # timed by another process meanwhile: its times win
+        self.unsaved -= quietly
+        in_step.update((key, seconds) for key, seconds in self.in_step.items() if key not in quietly)
         self.ops, self.in_step = ops, in_step
         self.device_profile = self.device_profile or profile
         self.runtime_costs = self.runtime_costs or runtime
@@ -75,7 +79,7 @@ class LatencyCache:
             "device_profile": self.device_profile,
             "runtime_costs": self.runtime_costs,
             "ops": ops,
-            "in_step": in_step,
+            "in_step": {key: seconds for key, seconds in in_step.items() if key not in self.unsaved},
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as tmp:
