@@ -37,6 +37,10 @@ from magis.cost.timing_cache import LatencyCache, default_cache_path
 from magis.frontend.capture import capture
 from magis.ir.graph import Graph, GraphError, Node, Ref, Role, TensorMeta
 
+# one torch thread: a step timed beside another test worker then has quiet runs (two threads
+# wait on each other's turns, and a step timed without quiet runs is not kept in the cache)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
 
 def order_of(graph: Graph) -> list[str]:
     return [n.name for n in graph.nodes]
@@ -310,9 +314,7 @@ def test_the_runtime_costs_are_measured_cached_and_added(
     assert again.measurements == 0
 
 
-def test_a_step_timed_while_other_processes_hold_every_core_is_priced_now_and_not_kept(
-    tmp_path: Path, one_thread: None
-) -> None:
+def test_a_step_timed_while_other_processes_hold_every_core_is_priced_now_and_not_kept(tmp_path: Path) -> None:
     """Beside two busy loops per core this process's thread runs about half the time or less
     (several threads of torch would wait on each other's turns): a step of tens of
     milliseconds, longer than the scheduler's turns, has no quiet run; the model warns, prices
