@@ -268,6 +268,7 @@ def capture_timed(
         raise
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
+    refuse_changed_batch(sig, spec)
     refuse_sparse_gradients(gm, sig)
     fuse_silu_backward(gm)
     gradients_laid_out_as_parameters(gm, sig)
@@ -299,6 +300,7 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
     refuse_changed_parameters(sig)
+    refuse_changed_batch(sig, spec)
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start, step.output_spec)
@@ -331,6 +333,28 @@ def refuse_changed_parameters(sig: Any) -> None:
     changed = _changed_parameters(sig)
     if changed:
         raise ParameterChanged(changed)
+
+
+def refuse_changed_batch(sig: Any, spec: BatchSpec) -> None:
+    """A :class:`CaptureError` naming the first batch tensor the exported step changes in place
+    (``x.mul_(2)`` on the batch, a collate's mask filled in place).
+
+    AOTAutograd functionalizes the change into an output (``sig.user_inputs_to_mutate``) that
+    no plan writes back: a plan reads its own contiguous copy of the batch, so the user's tensor
+    would stay as it was where eager changes it (a loop that reads the batch again, or calls the
+    step twice on it, would see another value). The trace ran on fake tensors: the batch is left
+    as it was.
+    """
+    names = [leaf.name for leaf in spec.leaves if leaf.shape is not None]
+    position = {node: i for i, node in enumerate(sig.user_inputs)}
+    changed = sorted(position[node] for node in sig.user_inputs_to_mutate.values())
+    if changed:
+        raise CaptureError(
+            f"the step changes {names[changed[0]]} of the batch in place (an in-place op such as x.mul_(2), "
+            "x += 1 or x[mask] = 0 on it): a plan does not write changes back into the batch, so the tensor "
+            "would stay as it was where eager PyTorch changes it. Compute on a new tensor instead "
+            "(x = x * 2, x = x.masked_fill(mask, 0))"
+        )
 
 
 def _changed_by_the_forward(step: _TrainingStep, inputs: tuple) -> list[str]:
