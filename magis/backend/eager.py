@@ -157,6 +157,8 @@ class GradientComparison:
     extra: tuple[str, ...] = ()
     worst: str | None = None
     errors: dict[str, float] = field(default_factory=dict)  # each common name's relative difference
+    #: the common names whose reference is at round-off level (measured against the noise floor)
+    at_floor: frozenset[str] = frozenset()
 
     @property
     def same_names(self) -> bool:
@@ -185,12 +187,16 @@ def compare_gradients(
     floor = max(noise_floor * largest, 1e-30)
     worst, worst_name = 0.0, None
     errors: dict[str, float] = {}
+    at_floor = set()
     for k, ref in reference.items():
         if k not in other or not ref.numel():
             continue
         ref = ref.detach().double()
         diff = (other[k].detach().double() - ref).abs().max().item()
-        errors[k] = error = diff / max(ref.abs().max().item(), floor)
+        magnitude = ref.abs().max().item()
+        if magnitude < floor:
+            at_floor.add(k)
+        errors[k] = error = diff / max(magnitude, floor)
         if error > worst or error != error:  # a NaN is the worst of all
             worst, worst_name = error, k
     return GradientComparison(
@@ -199,6 +205,7 @@ def compare_gradients(
         tuple(sorted(set(other) - set(reference))),
         worst_name,
         errors,
+        frozenset(at_floor),
     )
 
 
