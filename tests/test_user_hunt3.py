@@ -75,3 +75,46 @@ def test_a_gradient_whose_exact_value_is_zero_is_not_a_capture_mismatch() -> Non
         torch.testing.assert_close(loss, eager_loss)
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+class _Float32Attention(nn.Module):
+    """Attention whose scores and softmax run in float32 under the caller's autocast, as users
+    write it: ``torch.autocast(..., enabled=False)`` around them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.query(x), self.key(x)
+        with torch.autocast("cpu", enabled=False):
+            scores = torch.softmax(q.float() @ k.float().transpose(-1, -2) / 8**0.5, -1)
+        return self.out((scores.to(q.dtype) @ q).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_region_with_autocast_disabled_inside_the_callers_autocast_is_planned_as_eager_runs_it(dtype) -> None:
+    # AOTAutograd traced its joint graph again under the caller's autocast, casting the float32
+    # region down: a dtype mismatch from deep in torch (an AssertionError for an inference)
+    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    model = _Float32Attention()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(3, 5, 8), torch.randint(0, 4, (3,))
+    with torch.autocast("cpu", dtype=dtype):
+        plan = magis.optimize(model, (x, y), training_step=training_step, time_budget=1, progress=False)
+        loss = plan(x, y)
+        eager_loss = training_step(eager, x, y)
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):  # a plan's sums round in another order
+        torch.testing.assert_close(p.grad, q.grad, rtol=1.6e-2, atol=1e-3, msg=name)
+
+    model.eval()
+    with torch.autocast("cpu", dtype=dtype):
+        plan = magis.optimize(model, (x,), inference=True, time_budget=1, progress=False)
+        output = plan(x)
+        with torch.no_grad():
+            torch.testing.assert_close(output, model(x))

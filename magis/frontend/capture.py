@@ -33,6 +33,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils.checkpoint import CheckpointFunction
 
 from magis.frontend.conditions import (
+    autocast_as,
+    autocast_off,
+    autocast_state,
     changed_while_traced,
     initialized_while_traced,
     module_records,
@@ -126,6 +129,12 @@ class StepModule(torch.nn.Module):
     Its inputs are the batch's tensors, flattened as ``batch`` records
     (:class:`~magis.frontend.step.BatchSpec`), or the model's positional arguments
     when ``batch`` is None.
+
+    ``autocast`` is the caller's autocast state where the module is made; subclasses run the
+    user's step inside it, and the trace runs with autocast off around it (:func:`_tracing`):
+    AOTAutograd traces the joint graph it recorded once more, and under the caller's autocast
+    that second trace would cast again what the step ran with autocast disabled (an attention's
+    softmax in float32 inside ``torch.autocast(..., enabled=False)``).
     """
 
     def __init__(
@@ -141,6 +150,7 @@ class StepModule(torch.nn.Module):
         self.step = UserStep(loss_fn, training_step)
         self.batch = batch
         self.aliases = aliased_slots(model)
+        self.autocast = autocast_state()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
         return super().named_parameters(prefix, recurse, remove_duplicate=True)
@@ -166,7 +176,7 @@ class _TrainingStep(StepModule):
     step_output: StepOutput = StepOutput()
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
-        with aliases_bound(self.aliases), _no_backward_in_the_step():
+        with autocast_as(self.autocast), aliases_bound(self.aliases), _no_backward_in_the_step():
             loss, others, self.step_output = self.step.returned(self.model, self.batch_of(inputs))
         return (loss, *(other.detach() for other in others))
 
@@ -200,7 +210,7 @@ class _ForwardStep(StepModule):
     output_spec: pytree.TreeSpec | None = None
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
-        with aliases_bound(self.aliases):
+        with autocast_as(self.autocast), aliases_bound(self.aliases):
             output = UserStep.output(self.model, self.batch_of(inputs))
         leaves, self.output_spec = pytree.tree_flatten(output)
         others = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
@@ -406,6 +416,7 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
     generator is a ``CaptureError``."""
     before = module_records(model)
     with (
+        autocast_off(),  # the step module enters the caller's autocast itself (StepModule)
         _no_python_random_draws(),
         _without_stack_traces(),
         traced_as_by_compile(),
@@ -825,11 +836,13 @@ def gradients_laid_out_as_parameters(gm: torch.fx.GraphModule, sig: Any) -> int:
 
 def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
     """Re-run the exported graph on fresh fake tensors so ``meta['val']`` shares storage
-    wherever the real run would (the exported metadata loses view relationships)."""
+    wherever the real run would (the exported metadata loses view relationships). The graph
+    holds autocast's casts: it runs with autocast off, as a plan runs it."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     with mode:
         inputs = [
             torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
             for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")
         ]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    with autocast_off():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)

@@ -692,6 +692,16 @@ def autocast_off() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype | None], ...]) -> Iterator[None]:
+    """Autocast as :func:`autocast_state` recorded it: on, with its dtype, on every device where it was."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state:
+            if dtype is not None:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
 def _trainable(requires_grad: bool) -> str:
     return "trainable" if requires_grad else "frozen (requires_grad=False)"
 
