@@ -36,7 +36,7 @@ from magis.backend.eager import (
 )
 from magis.backend.meter import peak_meter
 from magis.backend.runtime import Runtime, StepResult, StepRunner, run_step
-from magis.frontend.capture import capture, capture_forward
+from magis.frontend.capture import capture, capture_forward, model_generators
 from magis.frontend.conditions import autocast_off, autocast_state
 from magis.frontend.fx_graph import draws_random_numbers
 from magis.frontend.step import BatchSpec, CaptureError, UserStep, as_batch
@@ -88,7 +88,8 @@ def run_both(
     inputs = BatchSpec.of(batch).tensors(batch)
     constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
     with _model_kept(model) as before, forked_rng(model):
-        with peak_meter(model, inputs) if measure else _Unmeasured() as eager_meter:
+        # forked again: the graph draws from the model's own generators where eager's run began
+        with forked_rng(model), peak_meter(model, inputs) if measure else _Unmeasured() as eager_meter:
             torch.manual_seed(seed)
             reference = _eager_reference(graph, model, batch, step)
         after = buffers_snapshot(model)
@@ -485,7 +486,14 @@ class _Unmeasured:
 
 @contextlib.contextmanager
 def forked_rng(model: torch.nn.Module) -> Iterator[None]:
-    """The generators of the CPU and of the model's CUDA devices, restored afterwards."""
+    """The generators of the CPU and of the model's CUDA devices, and the model's own
+    (:func:`~magis.frontend.capture.model_generators`), restored afterwards."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        yield
+    generators = model_generators(model)
+    states = [generator.get_state() for generator in generators]
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)

@@ -279,6 +279,7 @@ def capture_timed(
     except Exception as err:
         raise CaptureError(explain_capture_failure(err)) from err
     refuse_changed_batch(sig, spec)
+    refuse_foreign_generators(gm, model)
     refuse_sparse_gradients(gm, sig)
     fuse_silu_backward(gm)
     gradients_laid_out_as_parameters(gm, sig)
@@ -311,6 +312,7 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
         raise CaptureError(explain_capture_failure(err)) from err
     refuse_changed_parameters(sig)
     refuse_changed_batch(sig, spec)
+    refuse_foreign_generators(gm, model)
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
     return Captured(graph, time.perf_counter() - start, step.output_spec)
@@ -365,6 +367,56 @@ def refuse_changed_batch(sig: Any, spec: BatchSpec) -> None:
             "would stay as it was where eager PyTorch changes it. Compute on a new tensor instead "
             "(x = x * 2, x = x.masked_fill(mask, 0))"
         )
+
+
+def model_generators(model: torch.nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects the model's modules hold as attributes, each once: a
+    layer's own random stream (``torch.randn(..., generator=self.generator)``), which the graph
+    draws from as eager does, and which tracing, the check and the search draw from too."""
+    found: dict[int, torch.Generator] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def refuse_foreign_generators(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """A :class:`CaptureError` where the step draws from a ``torch.Generator`` that neither torch's
+    default nor the model holds (a module-level ``GEN = torch.Generator()``): a plan draws from it
+    as eager does, but tracing and the check draw from it too, and only the default generators
+    and the model's own (:func:`model_generators`) are put back as they were."""
+    defaults = [torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_available() else ())]
+    held = [*model_generators(model), *defaults]
+    for node in gm.graph.nodes:
+        generator = node.kwargs.get("generator")
+        if isinstance(generator, torch.fx.Node) and generator.op == "get_attr":
+            value = getattr(gm, str(generator.target), None)
+            if isinstance(value, torch.Generator) and not any(_same_stream(value, g) for g in held):
+                raise CaptureError(
+                    f"the step draws random numbers ({node.target}) from a torch.Generator the model does not "
+                    "hold: planning would draw from it too, and leave its stream ahead of eager's. Keep the "
+                    "generator as an attribute of the module that draws (self.generator = torch.Generator()), "
+                    "or draw from torch's default generator"
+                )
+
+
+def _same_stream(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether two generator objects are one stream: the trace hands a generator back in another
+    Python object over the same stream (``is`` cannot tell). Told by reseeding ``b`` for a moment
+    and reading ``a``'s seed; ``b`` is put back as it was."""
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    seed, state = b.initial_seed(), b.get_state()
+    probe = (a.initial_seed() + 1) % 2**63
+    b.manual_seed(probe)
+    try:
+        return a.initial_seed() == probe
+    finally:
+        b.manual_seed(seed)
+        b.set_state(state)
 
 
 def _changed_by_the_forward(step: _TrainingStep, inputs: tuple) -> list[str]:
