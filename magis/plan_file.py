@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from magis.frontend.capture import named_generators, same_generator_named
+
 #: the first line of every plan file; the number changes when the layout does
 HEADER = b"magis plan file 2\n"
 
@@ -64,7 +66,7 @@ def write_plan_file(path: str | Path, fields: dict[str, Any], model: torch.nn.Mo
     buffer = io.BytesIO()
     buffer.write(HEADER)
     try:
-        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+        _Pickler(buffer, model, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
     except (pickle.PicklingError, TypeError, AttributeError) as err:
         raise ValueError(f"this plan cannot be written to a file: {err}") from err
     path = Path(path)
@@ -96,8 +98,10 @@ def read_plan_file(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     if not data.startswith(HEADER):
         raise ValueError(f"{path} is not a magis plan file (or one of another format)")
     try:
-        payload = pickle.loads(data[len(HEADER) :])
+        payload = _Unpickler(io.BytesIO(data[len(HEADER) :]), model).load()
         saved_versions, tensors, fields = payload["versions"], payload["tensors"], payload["plan"]
+    except _GeneratorMissing as err:
+        raise ValueError(f"{path} was made for another model: {err}") from None
     except Exception as err:  # a truncated or damaged pickle fails in many ways
         raise ValueError(f"{path} is damaged: {type(err).__name__}: {err}") from err
     for package, version in versions().items():
@@ -130,8 +134,23 @@ def _spec(spec: tuple[tuple[int, ...], str, bool]) -> str:
 
 
 class _Pickler(pickle.Pickler):
-    """Writes magis' dataclasses by their constructor's fields, aten operators by name and a
-    batch's pytree structure in pytree's own serialized form (its pickle is deprecated)."""
+    """Writes magis' dataclasses by their constructor's fields, aten operators by name, a
+    batch's pytree structure in pytree's own serialized form (its pickle is deprecated) and a
+    ``torch.Generator`` the graph draws from by its name in the model (``""``: torch's default
+    of its device): a copy of its state would be a stream apart from the model's, and the
+    loaded plan would draw other numbers than eager does (:class:`_Unpickler`)."""
+
+    def __init__(self, file: io.BytesIO, model: torch.nn.Module, protocol: int) -> None:
+        super().__init__(file, protocol=protocol)
+        self.model = model
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Generator):
+            return None
+        name = same_generator_named(obj, self.model)
+        if name is None:
+            raise ValueError("the plan draws from a torch.Generator the model does not hold")
+        return ("generator", name, str(obj.device))
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, pytree.TreeSpec):
@@ -145,6 +164,28 @@ class _Pickler(pickle.Pickler):
             values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
             return _dataclass, (type(obj), values)
         return NotImplemented
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads what :class:`_Pickler` wrote, each generator the model's of that name."""
+
+    def __init__(self, file: io.BytesIO, model: torch.nn.Module) -> None:
+        super().__init__(file)
+        self.model = model
+
+    def persistent_load(self, pid: Any) -> torch.Generator:
+        _, name, device = pid
+        if not name:
+            device = torch.device(device)
+            return torch.default_generator if device.type == "cpu" else torch.cuda.default_generators[device.index or 0]
+        generator = dict(named_generators(self.model)).get(name)
+        if generator is None:
+            raise _GeneratorMissing(f"the plan draws from the generator {name!r}, which this model does not hold")
+        return generator
+
+
+class _GeneratorMissing(ValueError):
+    """The loaded model holds no generator of the name a plan file draws from."""
 
 
 def operator_named(name: str) -> torch._ops.OpOverload | torch._ops.OpOverloadPacket:

@@ -169,3 +169,30 @@ def test_a_generator_the_model_does_not_hold_is_refused() -> None:
         magis.optimize(Noisy(), (torch.randn(4, 8),), training_step=_square_step, time_budget=1, progress=False)
     with pytest.raises(CaptureError, match=r"torch\.Generator the model does not hold"):
         magis.optimize(Noisy(), (torch.randn(4, 8),), inference=True, time_budget=1, progress=False)
+
+
+def test_a_loaded_plan_draws_from_the_models_own_generator_not_a_copy_saved_with_the_plan(tmp_path) -> None:
+    # the plan file pickled the generator: a loaded plan drew from a stale copy of the stream
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    path = magis.optimize(_NoisyInput(), (x,), inference=True, time_budget=1, progress=False).save(tmp_path / "p")
+    model = _NoisyInput()
+    model.generator.manual_seed(77)
+    eager = copy.deepcopy(model)
+    plan = magis.load_plan(path, model)
+    for _ in range(2):
+        output = plan(x)
+        with torch.no_grad():
+            torch.testing.assert_close(output, eager(x))
+        assert torch.equal(model.generator.get_state(), eager.generator.get_state())
+
+    class Plain(nn.Module):  # the same weights, no generator
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+    with pytest.raises(ValueError, match="draws from the generator 'generator', which this model does not hold"):
+        magis.load_plan(path, Plain())

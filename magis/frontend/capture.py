@@ -373,12 +373,29 @@ def model_generators(model: torch.nn.Module) -> list[torch.Generator]:
     """The ``torch.Generator`` objects the model's modules hold as attributes, each once: a
     layer's own random stream (``torch.randn(..., generator=self.generator)``), which the graph
     draws from as eager does, and which tracing, the check and the search draw from too."""
-    found: dict[int, torch.Generator] = {}
-    for module in model.modules():
-        for value in vars(module).values():
+    return list(dict(named_generators(model)).values())
+
+
+def named_generators(model: torch.nn.Module) -> list[tuple[str, torch.Generator]]:
+    """:func:`model_generators` each under its first name (``"encoder.noise.generator"``), as a
+    plan file names the generator its graph draws from."""
+    found: dict[int, tuple[str, torch.Generator]] = {}
+    for prefix, module in model.named_modules():
+        for attribute, value in vars(module).items():
             if isinstance(value, torch.Generator):
-                found.setdefault(id(value), value)
+                found.setdefault(id(value), (f"{prefix}.{attribute}" if prefix else attribute, value))
     return list(found.values())
+
+
+def same_generator_named(generator: torch.Generator, model: torch.nn.Module) -> str | None:
+    """The name of the stream ``generator`` is in ``model`` (:func:`named_generators`), ``""`` for
+    torch's default generator of its device, None for another."""
+    named = [*named_generators(model), *(("", g) for g in _default_generators())]
+    return next((name for name, held in named if _same_stream(generator, held)), None)
+
+
+def _default_generators() -> list[torch.Generator]:
+    return [torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_available() else ())]
 
 
 def refuse_foreign_generators(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
@@ -386,13 +403,11 @@ def refuse_foreign_generators(gm: torch.fx.GraphModule, model: torch.nn.Module) 
     default nor the model holds (a module-level ``GEN = torch.Generator()``): a plan draws from it
     as eager does, but tracing and the check draw from it too, and only the default generators
     and the model's own (:func:`model_generators`) are put back as they were."""
-    defaults = [torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_available() else ())]
-    held = [*model_generators(model), *defaults]
     for node in gm.graph.nodes:
         generator = node.kwargs.get("generator")
         if isinstance(generator, torch.fx.Node) and generator.op == "get_attr":
             value = getattr(gm, str(generator.target), None)
-            if isinstance(value, torch.Generator) and not any(_same_stream(value, g) for g in held):
+            if isinstance(value, torch.Generator) and same_generator_named(value, model) is None:
                 raise CaptureError(
                     f"the step draws random numbers ({node.target}) from a torch.Generator the model does not "
                     "hold: planning would draw from it too, and leave its stream ahead of eager's. Keep the "
