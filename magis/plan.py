@@ -48,6 +48,7 @@ from magis.backend.runtime import RUNTIMES, ModuleInputs, Runtime, StepRunner, r
 from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
+from magis.frontend.capture import same_generator_named
 from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off
 from magis.frontend.grad_seed import seeded
 from magis.frontend.optimizer import (
@@ -59,7 +60,7 @@ from magis.frontend.optimizer import (
     unplanned_reason,
 )
 from magis.frontend.step import BatchSpec, StepOutput, user_model
-from magis.ir.graph import Graph
+from magis.ir.graph import Graph, Role
 from magis.plan_file import read_plan_file, write_plan_file
 from magis.search.m_optimizer import Objective, SearchResult
 
@@ -184,6 +185,7 @@ class Plan:
         given = self.batch.given(batch)
         inputs = self.batch.tensors(given)
         self.conditions.check(self.model, self.step_functions, self.watch)
+        self._check_generators()
         if self.graph.signature.inference:
             return self._infer(inputs, grad_scale)
         self.batch.refuse_gradients(given)
@@ -216,6 +218,23 @@ class Plan:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return self.step_output.rebuild(result.loss, result.outputs)
+
+    @cached_property
+    def _generators(self) -> tuple[torch.Generator, ...]:
+        """The generators the graph draws from (a module's own, or torch's default passed by hand)."""
+        found = (n.target.value for n in self.graph.nodes if n.role is Role.CONSTANT)
+        return tuple({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
+
+    def _check_generators(self) -> None:
+        """A ``ValueError`` where a generator the graph draws from is no longer the model's: a
+        module's generator replaced since ``optimize`` (``self.generator = torch.Generator()``),
+        whose new stream eager draws from and the graph would not."""
+        for generator in self._generators:
+            if same_generator_named(generator, self.model) is None:
+                raise ValueError(
+                    "the plan draws from a torch.Generator the model no longer holds (a module's generator "
+                    "replaced since optimize; reseeding it in place is fine): set it back, or optimize again"
+                )
 
     def _infer(self, inputs: list[Any], grad_scale: Any) -> Any:
         """An inference plan's step: the model's output, rebuilt from the graph's results."""

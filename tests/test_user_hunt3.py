@@ -196,3 +196,21 @@ def test_a_loaded_plan_draws_from_the_models_own_generator_not_a_copy_saved_with
 
     with pytest.raises(ValueError, match="draws from the generator 'generator', which this model does not hold"):
         magis.load_plan(path, Plain())
+
+
+def test_a_generator_replaced_after_planning_is_refused_and_one_reseeded_in_place_is_followed() -> None:
+    # the plan drew from the replaced generator's stream: loss 0.79 where eager's was 0.90
+    torch.manual_seed(0)
+    model = _NoisyInput()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    plan = magis.optimize(model, (x,), training_step=_square_step, time_budget=1, progress=False)
+    for m in (model, eager):
+        m.generator.manual_seed(9)
+    torch.testing.assert_close(plan(x), _square_step(eager, x))
+    replaced = model.generator
+    model.generator = torch.Generator().manual_seed(5)
+    with pytest.raises(ValueError, match=r"draws from a torch\.Generator the model no longer holds"):
+        plan(x)
+    model.generator = replaced
+    plan(x)
