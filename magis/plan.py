@@ -12,10 +12,10 @@ returned: ``(loss, logits)``, ``{"loss": ..., ...}``, the other tensors detached
 accumulates each parameter's gradient into ``.grad`` as ``loss.backward()`` would, and
 writes the new BatchNorm statistics into the model's buffers as an eager step does. Random ops draw from torch's
 generator in eager's order, so a seeded plan reproduces a seeded eager step.
-``plan(*batch, grad_scale=s)`` seeds the backward with ``s``
-(:mod:`magis.frontend.grad_seed`), leaving in ``.grad`` what
-``scaler.scale(loss).backward()`` would, so ``scaler.step(optimizer)`` and
-``scaler.update()`` work unchanged; the loss returned is unscaled.
+``plan(*batch, grad_scale=scaler)`` seeds the backward with the ``GradScaler``'s scale
+(or ``grad_scale=s``, a number or tensor, with ``s``; :mod:`magis.frontend.grad_seed`),
+leaving in ``.grad`` what ``scaler.scale(loss).backward()`` would, so
+``scaler.step(optimizer)`` and ``scaler.update()`` work unchanged; the loss returned is unscaled.
 
 A plan runs the step it was made for and refuses, before anything runs, a call that
 differs: another batch structure, shape or dtype, or a batch tensor that requires grad
@@ -174,7 +174,7 @@ class Plan:
         (:mod:`magis.backend.compiled`; each segment compiles on its first call)."""
         return generated_step(self.program, compile=True)
 
-    def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | None = None) -> Any:
+    def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | torch.amp.GradScaler | None = None) -> Any:
         """One training step on ``batch``, given as to :func:`magis.optimize`: the loss (module
         docstring); an inference plan's forward: the model's output."""
         if self.planning_only:

@@ -214,3 +214,31 @@ def test_a_generator_replaced_after_planning_is_refused_and_one_reseeded_in_plac
         plan(x)
     model.generator = replaced
     plan(x)
+
+
+def test_a_grad_scaler_given_as_it_is_steps_the_plan_as_it_steps_eager() -> None:
+    # docs/usage.md said grad_scale=scaler.get_scale(): a number, which leaves the scaler's scale
+    # tensor unmade, and the first scaler.step(optimizer) failed ("_scale is None")
+    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = magis.optimize(model, (x, y), training_step=training_step, time_budget=1, progress=False)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, eager)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = plan(x, y, grad_scale=scalers[0])
+            eager_loss = training_step(eager, x, y)
+        scalers[1].scale(eager_loss).backward()
+        torch.testing.assert_close(loss, eager_loss.detach())
+        for scaler, optimizer in zip(scalers, optimizers):
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, msg=name)

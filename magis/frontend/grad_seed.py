@@ -49,14 +49,19 @@ def with_grad_seed(graph: Graph, device: torch.device) -> tuple[Graph, torch.Ten
 
 
 @contextlib.contextmanager
-def seeded(seed: torch.Tensor | None, scale: float | torch.Tensor | None) -> Iterator[None]:
+def seeded(seed: torch.Tensor | None, scale: float | torch.Tensor | torch.amp.GradScaler | None) -> Iterator[None]:
     """The seed holds ``scale`` (a number or a one-element tensor such as ``GradScaler``'s)
-    inside the block, and 1 again after it; ``scale=None`` leaves it at 1."""
+    inside the block, and 1 again after it; ``scale=None`` leaves it at 1. A ``GradScaler``
+    itself scales the seed as ``scaler.scale(loss)`` scales a loss: that also makes its scale
+    tensor, which ``scaler.step`` needs (``scaler.get_scale()``, a number, leaves it unmade,
+    and the first ``scaler.step`` fails)."""
     if scale is None:
         yield
         return
     if seed is None:
         raise ValueError("this plan's backward is not seeded by ones_like(loss): it cannot take grad_scale")
+    if isinstance(scale, torch.amp.GradScaler):
+        scale = scale.scale(torch.ones((), dtype=torch.float32, device=seed.device))
     with torch.no_grad():
         if isinstance(scale, torch.Tensor):
             if scale.numel() != 1:
