@@ -113,18 +113,19 @@ class PlannedStep:
         self.watch = ConditionsWatch()  # what each call's signature glances at
         self.inference = bool(options.get("inference"))
 
-    def __call__(self, *batch: Any) -> Any:
+    def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | torch.amp.GradScaler | None = None) -> Any:
         """One training step on ``batch``: the loss; gradients accumulated into ``.grad``, or with an
-        optimizer, the parameters updated. With ``inference``: the model's output."""
+        optimizer, the parameters updated; ``grad_scale`` as :meth:`Plan.__call__ <magis.plan.Plan.__call__>`
+        takes it (a ``GradScaler``). With ``inference``: the model's output."""
         args = _batch(batch)
         plan = self._plan_of(args)
         try:
-            return _run(plan, args)
+            return _run(plan, args, grad_scale)
         except DivisorError as err:  # the weights broke a choice the plan made (raised as it binds: nothing ran)
             warnings.warn(f"magis: planning again, {err}", stacklevel=2)
             key = self._signature(args)
             self.plans[key] = self._searched(args, self._path(args, key))
-            return _run(self.plans[key], args)
+            return _run(self.plans[key], args, grad_scale)
 
     def plan_for(self, *batch: Any) -> Plan:
         """The plan that runs ``batch`` (given as to the step), made or read on first sight."""
@@ -184,8 +185,8 @@ class PlannedStep:
         return {"loss_fn": self.step.loss_fn, "training_step": self.step.training_step}
 
 
-def _run(plan: Plan, batch: tuple | Mapping) -> Any:
-    return plan(batch) if isinstance(batch, Mapping) else plan(*batch)
+def _run(plan: Plan, batch: tuple | Mapping, grad_scale: Any = None) -> Any:
+    return plan(batch, grad_scale=grad_scale) if isinstance(batch, Mapping) else plan(*batch, grad_scale=grad_scale)
 
 
 def _batch(batch: tuple) -> tuple | Mapping:

@@ -242,3 +242,22 @@ def test_a_grad_scaler_given_as_it_is_steps_the_plan_as_it_steps_eager() -> None
             optimizer.zero_grad()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, msg=name)
+
+
+def test_a_planned_step_takes_a_grad_scaler_as_a_plan_does(tmp_path) -> None:
+    # step(x, y, grad_scale=scaler) was a TypeError: the planned step took the batch alone
+    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    step = magis.planned(model, training_step=training_step, time_budget=1, progress=False, cache_dir=tmp_path)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    loss = step(x, y, grad_scale=scalers[0])
+    eager_loss = training_step(eager, x, y)
+    scalers[1].scale(eager_loss).backward()
+    torch.testing.assert_close(loss, eager_loss.detach())
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
