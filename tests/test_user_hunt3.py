@@ -261,3 +261,22 @@ def test_a_planned_step_takes_a_grad_scaler_as_a_plan_does(tmp_path) -> None:
     torch.testing.assert_close(loss, eager_loss.detach())
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_hook_the_step_puts_on_a_tensor_is_warned_of_as_a_modules_hook_is() -> None:
+    # the gradient a hook recorded was recorded once, in the trace, and never at a call: silently
+    recorded: list[torch.Tensor] = []
+
+    class Recording(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            h.register_hook(recorded.append)
+            return self.b(h)
+
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="calls register_hook on a tensor it computes"):
+        magis.optimize(Recording(), (x,), training_step=_square_step, time_budget=1, progress=False)

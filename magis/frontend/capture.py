@@ -176,7 +176,12 @@ class _TrainingStep(StepModule):
     step_output: StepOutput = StepOutput()
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
-        with autocast_as(self.autocast), aliases_bound(self.aliases), _no_backward_in_the_step():
+        with (
+            autocast_as(self.autocast),
+            aliases_bound(self.aliases),
+            _no_backward_in_the_step(),
+            _tensor_hooks_warned(),
+        ):
             loss, others, self.step_output = self.step.returned(self.model, self.batch_of(inputs))
         return (loss, *(other.detach() for other in others))
 
@@ -201,6 +206,38 @@ def _no_backward_in_the_step() -> Iterator[None]:
         yield
     finally:
         torch.autograd.backward, torch.autograd.grad = backward, grad
+
+
+@contextlib.contextmanager
+def _tensor_hooks_warned() -> Iterator[None]:
+    """A warning where the user's step hooks a tensor it computes (``h.register_hook(fn)``,
+    ``h.retain_grad()``), as :func:`~magis.frontend.conditions.warn_of_hooks` warns of a module's
+    hooks: the trace runs the hook once, so what it computes on the gradient a plan computes at
+    every call, and anything else it does (appending the gradient to a list, a ``.grad`` kept on
+    the activation) happens in that trace only. Only around the user's step; torch's own hooks
+    (a module's backward hooks) are not the user's."""
+    register_hook, retain_grad = torch.Tensor.register_hook, torch.Tensor.retain_grad
+
+    def warned(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def hooked(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if _model_facing(caller) and not _under(os.path.abspath(caller), os.path.join(_TORCH, "nn")):
+                warnings.warn(
+                    f"the step calls {name} on a tensor it computes ({caller}:{sys._getframe(1).f_lineno}): a "
+                    "plan runs what the hook computes on the gradient, traced once; anything else (recording the "
+                    "gradient, a .grad retained on the activation) happens in that trace only, not at each call",
+                    stacklevel=2,
+                )
+            return method(tensor, *args, **kwargs)
+
+        return hooked
+
+    torch.Tensor.register_hook = warned(register_hook, "register_hook")  # type: ignore[method-assign]
+    torch.Tensor.retain_grad = warned(retain_grad, "retain_grad")  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook, torch.Tensor.retain_grad = register_hook, retain_grad  # type: ignore[method-assign]
 
 
 class _ForwardStep(StepModule):
