@@ -280,3 +280,27 @@ def test_a_hook_the_step_puts_on_a_tensor_is_warned_of_as_a_modules_hook_is() ->
     x = torch.randn(4, 8)
     with pytest.warns(UserWarning, match="calls register_hook on a tensor it computes"):
         magis.optimize(Recording(), (x,), training_step=_square_step, time_budget=1, progress=False)
+
+
+def test_a_step_that_keeps_a_tensor_in_a_plain_attribute_is_refused_and_the_attribute_put_back() -> None:
+    # eager's model.attention held each call's weights; the plan's kept a tensor left by the trace
+    class KeepsAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+            self.attention = torch.zeros(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weights = torch.softmax(self.a(x), -1)
+            self.attention = weights.detach()
+            return self.b(weights)
+
+    model = KeepsAttention()
+    before = model.attention
+    x = torch.randn(4, 8)
+    with pytest.raises(CaptureError, match="sets the model's attribute 'attention' to a tensor"):
+        magis.optimize(model, (x,), training_step=_square_step, time_budget=1, progress=False)
+    assert model.attention is before
+    with pytest.raises(CaptureError, match="sets the model's attribute 'attention' to a tensor"):
+        magis.optimize(model.eval(), (x,), inference=True, time_budget=1, progress=False)
+    assert model.attention is before

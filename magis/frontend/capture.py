@@ -519,6 +519,7 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
     (:func:`~magis.frontend.conditions.changed_while_traced`) or drew from Python's or NumPy's
     generator is a ``CaptureError``."""
     before = module_records(model)
+    tensors_before = _tensor_attributes(model)
     with (
         autocast_off(),  # the step module enters the caller's autocast itself (StepModule)
         _no_python_random_draws(),
@@ -536,6 +537,43 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
             raise _SettingsInitialized(changed)  # kept: every later call finds them set
         restore_settings(model, before)  # the model as the user gave it
         raise CaptureError(changed)
+    _refuse_tensor_attributes_set(model, tensors_before)
+
+
+def _tensor_attributes(model: torch.nn.Module) -> dict[tuple[str, str], torch.Tensor]:
+    """The tensors the model's modules hold as plain attributes (not parameters or buffers), by
+    (module name, attribute)."""
+    return {
+        (name, key): value
+        for name, module in model.named_modules()
+        for key, value in vars(module).items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _refuse_tensor_attributes_set(model: torch.nn.Module, before: dict[tuple[str, str], torch.Tensor]) -> None:
+    """A ``CaptureError`` where the trace set a module's plain tensor attribute to another tensor
+    (``self.attention_map = weights.detach()``, kept to look at after the step): a plan sets no
+    attribute, so eager's would hold each call's tensor and the plan's the one it had. The
+    attribute is put back as it was (the trace left a traced tensor in it)."""
+    after = _tensor_attributes(model)
+    changed = [key for key, value in after.items() if before.get(key) is not value]
+    if not changed:
+        return
+    modules = dict(model.named_modules())
+    for name, key in changed:
+        if (name, key) in before:
+            setattr(modules[name], key, before[name, key])
+        else:
+            delattr(modules[name], key)
+    name, key = changed[0]
+    raise CaptureError(
+        f"the step sets {f'submodule {name!r}' if name else 'the model'}'s attribute {key!r} to a tensor it "
+        "computes while it is traced: a plan sets no attribute, so after each call it would hold what it held "
+        "before, where eager's holds that call's tensor. Keep it in a buffer updated in place "
+        f"(register_buffer({key!r}, ...), then self.{key}.copy_(...)), which a plan updates as eager does, or "
+        "return it from training_step"
+    )
 
 
 @contextlib.contextmanager
