@@ -437,6 +437,39 @@ def test_a_large_estimate_is_scaled_by_its_kin_timed_alone(tmp_path: Path, monke
     assert alone_calls.count(conv) == 2
 
 
+def test_an_operator_of_a_form_never_timed_is_priced_by_its_time_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a GELU where the step timed before had a ReLU: the GELU has no kin, and is
+    priced by its time alone plus the runtime's cost per instruction (not the roofline at the
+    median ratio of what was timed, which a rewrite's in-place op or 1x1 convolution's matrix
+    product missed several times over); at another batch size it is priced from that kin."""
+    timed_alone: list[str] = []
+
+    def alone(graph, names, strides, device, repeats):
+        for name in names:
+            timed_alone.append(graph[name].op_name)
+            yield name, 7e-4
+
+    monkeypatch.setattr(latency, "measure_nodes", alone)
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(256, 5)]
+    relu, gelu = nn.Sequential(*layers), nn.Sequential(*layers[:1], nn.GELU(), *layers[2:])
+    timed = capture(relu, (torch.randn(2, 3, 8, 8),), lambda out: out.sum())
+    estimating = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2, estimate_unseen=True)
+    estimate_latency(timed, order_of(timed), estimating)
+    instruction = estimating.runtime_costs.instruction_s
+    steps = [capture(gelu, (torch.randn(batch, 3, 8, 8),), lambda out: out.sum()) for batch in (2, 4)]
+    for step in steps:
+        priced = dict(zip(order_of(step), estimate_latency(step, order_of(step), estimating).per_node_s))
+        gelus = [n.name for n in step.nodes if "gelu" in n.op_name]
+        assert len(gelus) == 2  # the forward and its backward
+        if step is steps[0]:
+            assert all(priced[name] == pytest.approx(7e-4 + instruction) for name in gelus)
+    assert sorted(timed_alone) == ["aten.gelu.default", "aten.gelu_backward.default"]
+    assert estimating.estimated > 0  # the convolution and the linear layer from their kin
+
+
 def test_identical_operators_are_measured_once(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
     graph = capture(model, (torch.randn(4, 8),), lambda out: out.sum())
