@@ -136,14 +136,19 @@ def _square_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def test_a_models_own_generator_is_left_as_it_was_by_planning_and_drawn_from_as_eager_draws() -> None:
-    # tracing and the check drew from it: refused as a mismatch blaming Python state, and with
-    # verify=False the user's stream was left ahead of eager's
+def _planned_noisy_input() -> tuple[_NoisyInput, _NoisyInput, torch.Tensor, magis.Plan]:
+    """A model with its own generator, its eager twin, a batch and the model's plan."""
     torch.manual_seed(0)
     model = _NoisyInput()
     eager = copy.deepcopy(model)
     x = torch.randn(4, 8)
-    plan = magis.optimize(model, (x,), training_step=_square_step, time_budget=1, progress=False)
+    return model, eager, x, magis.optimize(model, (x,), training_step=_square_step, time_budget=1, progress=False)
+
+
+def test_a_models_own_generator_is_left_as_it_was_by_planning_and_drawn_from_as_eager_draws() -> None:
+    # tracing and the check drew from it: refused as a mismatch blaming Python state, and with
+    # verify=False the user's stream was left ahead of eager's
+    model, eager, x, plan = _planned_noisy_input()
     assert torch.equal(model.generator.get_state(), eager.generator.get_state())
     for _ in range(3):
         loss = plan(x)
@@ -200,11 +205,7 @@ def test_a_loaded_plan_draws_from_the_models_own_generator_not_a_copy_saved_with
 
 def test_a_generator_replaced_after_planning_is_refused_and_one_reseeded_in_place_is_followed() -> None:
     # the plan drew from the replaced generator's stream: loss 0.79 where eager's was 0.90
-    torch.manual_seed(0)
-    model = _NoisyInput()
-    eager = copy.deepcopy(model)
-    x = torch.randn(4, 8)
-    plan = magis.optimize(model, (x,), training_step=_square_step, time_budget=1, progress=False)
+    model, eager, x, plan = _planned_noisy_input()
     for m in (model, eager):
         m.generator.manual_seed(9)
     torch.testing.assert_close(plan(x), _square_step(eager, x))
@@ -216,24 +217,28 @@ def test_a_generator_replaced_after_planning_is_refused_and_one_reseeded_in_plac
     plan(x)
 
 
+def _classify(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def _classifier_and_twin() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, copy.deepcopy(model), torch.randn(6, 8), torch.randint(0, 4, (6,))
+
+
 def test_a_grad_scaler_given_as_it_is_steps_the_plan_as_it_steps_eager() -> None:
     # docs/usage.md said grad_scale=scaler.get_scale(): a number, which leaves the scaler's scale
     # tensor unmade, and the first scaler.step(optimizer) failed ("_scale is None")
-    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    eager = copy.deepcopy(model)
-    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    model, eager, x, y = _classifier_and_twin()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plan = magis.optimize(model, (x, y), training_step=training_step, time_budget=1, progress=False)
+        plan = magis.optimize(model, (x, y), training_step=_classify, time_budget=1, progress=False)
     optimizers = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, eager)]
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
     for _ in range(3):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = plan(x, y, grad_scale=scalers[0])
-            eager_loss = training_step(eager, x, y)
+            eager_loss = _classify(eager, x, y)
         scalers[1].scale(eager_loss).backward()
         torch.testing.assert_close(loss, eager_loss.detach())
         for scaler, optimizer in zip(scalers, optimizers):
@@ -246,17 +251,11 @@ def test_a_grad_scaler_given_as_it_is_steps_the_plan_as_it_steps_eager() -> None
 
 def test_a_planned_step_takes_a_grad_scaler_as_a_plan_does(tmp_path) -> None:
     # step(x, y, grad_scale=scaler) was a TypeError: the planned step took the batch alone
-    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    eager = copy.deepcopy(model)
-    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
-    step = magis.planned(model, training_step=training_step, time_budget=1, progress=False, cache_dir=tmp_path)
+    model, eager, x, y = _classifier_and_twin()
+    step = magis.planned(model, training_step=_classify, time_budget=1, progress=False, cache_dir=tmp_path)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
     loss = step(x, y, grad_scale=scalers[0])
-    eager_loss = training_step(eager, x, y)
+    eager_loss = _classify(eager, x, y)
     scalers[1].scale(eager_loss).backward()
     torch.testing.assert_close(loss, eager_loss.detach())
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
