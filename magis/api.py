@@ -9,10 +9,11 @@ a mapping of keyword arguments, or one tensor) and ``loss_fn(output)`` or their 
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -21,21 +22,27 @@ from torch._subclasses.fake_tensor import FakeTensor
 from magis.backend.eager import compare_gradients
 from magis.backend.runtime import Runtime, StepRunner, broken_divisor
 from magis.backend.verify import Verification, forked_rng, run_both, verify_step
-from magis.cost.latency import cost_model, estimate_latency
+from magis.cost.latency import CannotTime, ProfiledCostModel, cost_model, estimate_latency
 from magis.cost.memory import MemoryProfile, simulate_memory
+from magis.cost.op_timing import StepsTimed, time_in_turns
 from magis.cost.workspace import measure_workspaces, with_workspaces
 from magis.frontend.capture import capture_forward, capture_timed
 from magis.frontend.conditions import Conditions, refuse_gradient_hooks, warn_if_evaluating, warn_of_hooks
 from magis.frontend.grad_seed import with_grad_seed
 from magis.frontend.optimizer import unplanned_reason, with_optimizer
-from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, user_model
+from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, as_batch, user_model
 from magis.ir.graph import Graph
 from magis.plan import InfeasibleLimit, Plan
 from magis.rules.output_backward import batch_norms_from_outputs
-from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, m_optimize
+from magis.search.m_optimizer import DEFAULT_MAX_STATES, Objective, SearchResult, m_optimize
+from magis.search.timed_choice import TimeSteps, timed_choice
 
 #: latency limit (ratio to the captured step) when neither limit is given
 DEFAULT_LATENCY_RATIO = 1.10
+#: share of the time budget (and seconds at least) for timing the plans nearest the search's
+#: choice in turns with the captured step (:func:`_timed`)
+TIMED_SHARE = 0.1
+TIMED_MIN_S = 2.0
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 #: ProfileReport's keys that only a run (``run=True``) fills
@@ -205,7 +212,10 @@ def optimize(
     (0, 1], a fraction of the captured step's simulated peak. ``latency_limit``
     (latency-limit mode: the lowest peak within it): a float >= 1, a ratio to the
     captured step's simulated latency. Neither: latency-limit mode at 1.10. Both:
-    memory-limit mode, and the plan must meet the latency limit too.
+    memory-limit mode, and the plan must meet the latency limit too. On a CPU the plans
+    nearest the search's choice are then timed whole and the choice made by their timed
+    figures (:func:`_confirmed_by_timing`): an inference plan's limit is then a ratio to the
+    model's own forward as timed, a training step's to the captured step as timed.
 
     Before the search the captured step is checked against eager PyTorch on the example
     batch (:func:`~magis.backend.verify.verify_step`: the loss, every gradient and buffer
@@ -322,7 +332,7 @@ def optimize(
         baseline_latency_s=latency,
         device=device,
         objective=objective,
-        search=result,
+        search=replace(result, front=()),  # a plan file holds the result: not the search's front
         baseline=graph,
         cost_model=latency_model,
         batch=spec,
@@ -338,9 +348,78 @@ def optimize(
         step_output=captured.step_output,
         step_functions=(loss_fn, training_step),
     )
-    if not objective.met_by(best):  # the near miss goes with the error
-        raise InfeasibleLimit(_infeasible(objective, best.peak_bytes, best.latency_s, latency, floor), best=plan)
+    plan = _confirmed_by_timing(plan, result, batch, time_budget)
+    if not plan.objective.met_by(plan.search.best):  # the near miss goes with the error
+        message = _infeasible(plan.objective, plan.peak_bytes, plan.latency_s, plan.baseline_latency_s, floor)
+        raise InfeasibleLimit(message, best=plan)
     return plan
+
+
+def _confirmed_by_timing(plan: Plan, result: SearchResult, batch: Any, time_budget: float) -> Plan:
+    """On this CPU, the search's choice confirmed by timing the plans nearest it in turns with
+    the step they are measured against (:mod:`magis.search.timed_choice`), in at most
+    :data:`TIMED_SHARE` of the time budget (at least :data:`TIMED_MIN_S`): ``plan`` with the
+    chosen state, its limit rescaled to that step as timed, and the timed latencies.
+
+    An inference plan is measured as its user sees it, against the model's own forward: each
+    plan called on ``batch`` as it will be called, per-call checks included, beside eager's
+    ``model(*batch)`` under ``no_grad``. A training step (whose eager run would change the
+    model) is measured as the runtime runs it, against the captured step. A plan priced by a
+    device profile, on CUDA, or compiled stays as the search chose it."""
+    model, stats = plan.cost_model, plan.search.stats
+    if not isinstance(model, ProfiledCostModel) or plan.runtime == "compiled":
+        return plan
+    baseline = (plan.baseline, [n.name for n in plan.baseline.nodes])
+    time_steps = _calls_timer(plan, batch, model) if plan.graph.signature.inference else model.time_steps
+    try:
+        chosen = timed_choice(
+            result.front,
+            result.best,
+            result.initial,
+            plan.objective,
+            baseline,
+            plan.baseline_latency_s,
+            time_steps,
+            max(TIMED_MIN_S, TIMED_SHARE * time_budget),
+        )
+    except CannotTime as err:
+        stats.timed_choice = f"not timed: {err}"
+        return plan
+    stats.timed_plans, stats.timed_rounds, stats.timed_choice = chosen.plans, chosen.rounds, chosen.note
+    best = chosen.best
+    return replace(
+        plan,
+        graph=best.graph,
+        order=best.order,
+        peak_bytes=best.peak_bytes,
+        latency_s=best.latency_s,
+        baseline_latency_s=chosen.baseline_latency_s,
+        objective=chosen.objective,
+        search=replace(plan.search, best=best),
+    )
+
+
+def _calls_timer(plan: Plan, batch: Any, model: ProfiledCostModel) -> TimeSteps:
+    """Times an inference plan's candidates as its user calls them: the first step given (the
+    captured step) is the model's own forward, eager under ``no_grad``, the others ``plan`` made
+    of them, called on ``batch``; the generators are left as they were."""
+    batch = as_batch(batch)
+    args = batch if plan.batch.kind == "args" else (batch,)
+
+    def time_steps(steps: Sequence[tuple[Graph, Sequence[str]]], max_seconds: float) -> StepsTimed:
+        started = time.perf_counter()
+        candidates = [replace(plan, graph=graph, order=tuple(order)) for graph, order in steps[1:]]
+        calls: list[Callable[[], Any]] = [functools.partial(UserStep.output, plan.model, batch)]
+        calls += [functools.partial(candidate, *args) for candidate in candidates]
+        with torch.no_grad(), forked_rng(plan.model):
+            try:
+                for call in calls:  # warm-up
+                    call()
+            except Exception as err:  # a candidate that cannot run is left to its estimate
+                raise CannotTime(f"a plan could not run ({err})") from err
+            return time_in_turns(calls, model.device, model.in_step_runs, max_seconds - (time.perf_counter() - started))
+
+    return time_steps
 
 
 def _with_device_workspaces(graph: Graph, model: torch.nn.Module, fake: bool) -> Graph:

@@ -25,7 +25,9 @@ autocast state (:class:`~magis.frontend.conditions.Conditions`).
 
 The figures are simulated (MAGIS §5): ``peak_bytes`` and ``latency_s`` of the plan,
 ``baseline_peak_bytes`` and ``baseline_latency_s`` of the captured step in its
-captured order, what the magis runtime does without optimization.
+captured order, what the magis runtime does without optimization. On a CPU the two
+latencies are timed instead, the plan's in turns with the captured step's when its choice
+was confirmed by timing (:mod:`magis.search.timed_choice`; ``report().search["timed"]``).
 """
 
 from __future__ import annotations
@@ -314,6 +316,7 @@ class Plan:
                 "first_feasible_s": stats.first_feasible_s,
                 "stopped_by": stats.stopped_by,
                 "states_per_rule": dict(stats.rules),
+                "timed": {"plans": stats.timed_plans, "rounds": stats.timed_rounds, "choice": stats.timed_choice},
             },
             verified=self.verification.verified,
             verification=self.verification.note,

@@ -47,7 +47,7 @@ from magis.cost.kin import KinTimes
 from magis.cost.local_device import host_memory_bytes, measure_device_profile
 from magis.cost.memory import peak_memory
 from magis.cost.op_keys import NodeStrides, in_step_key, measurable, node_key, op_key, replay_strides, step_context
-from magis.cost.op_timing import measure_in_step, measure_nodes
+from magis.cost.op_timing import StepsTimed, measure_in_step, measure_nodes, measure_steps
 from magis.cost.runtime_costs import RuntimeCosts, binding_seconds, measure_runtime_costs
 from magis.cost.timing_cache import LatencyCache, default_cache_path
 from magis.ir.graph import Graph, Node, Role, is_view
@@ -333,6 +333,10 @@ class AnalyticCostModel:
         return kernel_seconds(profile, compute_s, memory_s)
 
 
+class CannotTime(Exception):
+    """A step that cannot be timed whole here (:meth:`ProfiledCostModel.time_steps` says why)."""
+
+
 class ProfiledCostModel:
     """Operator times measured on this machine (MAGIS §5: the simulator's per-op profile).
 
@@ -430,6 +434,29 @@ class ProfiledCostModel:
             self.cache.runtime_costs = asdict(measure_runtime_costs(self.device))
             self.cache.save()
         return RuntimeCosts(**self.cache.runtime_costs)
+
+    def time_steps(self, steps: Sequence[tuple[Graph, Sequence[str]]], max_seconds: float) -> StepsTimed:
+        """Seconds each of ``steps`` (a graph, the order it runs in) takes as a plan runs it,
+        binding its inputs included, the steps timed in turns at this moment
+        (:func:`~magis.cost.op_timing.measure_steps`, for at most about ``max_seconds``).
+
+        Raises :class:`CannotTime` on CUDA (operators are timed alone there), for a step
+        whose peak is above :data:`IN_STEP_MEMORY_SHARE` of this machine's memory, or one
+        that fails to run on random inputs.
+        """
+        if self.device.type != "cpu":
+            raise CannotTime(f"steps are timed whole on a CPU only, not on {self.device.type}")
+        memory = host_memory_bytes()
+        if any(peak_memory(graph, order) > IN_STEP_MEMORY_SHARE * memory for graph, order in steps):
+            raise CannotTime("a step needs too much of this machine's memory to be timed here")
+        replayed = [(graph, order, replay_strides(graph)) for graph, order in steps]
+        try:
+            timed = measure_steps(replayed, self.device, self.in_step_runs, max_seconds)
+        except Exception as err:  # any step that cannot run here is left to its estimate
+            raise CannotTime(f"a step could not run on random inputs ({err})") from err
+        runtime = self.runtime_costs
+        seconds = tuple(t + binding_seconds(graph, runtime) for t, (graph, _) in zip(timed.seconds, steps))
+        return StepsTimed(seconds, timed.rounds, timed.quiet)
 
     def _price(self, graph: Graph) -> dict[str, float]:
         """Seconds of every node of ``graph``: the operators not cached yet are timed

@@ -281,6 +281,87 @@ def measure_in_step(
     return StepTimes({ins.node: max(0.0, t + between) for ins, t in zip(program.instructions, typical)}, quiet)
 
 
+@dataclass(frozen=True)
+class StepsTimed:
+    """What :func:`time_in_turns` found: the median ``seconds`` of each call over the ``rounds``
+    that counted, and whether those were ``quiet`` (every call in them, :data:`QUIET_SHARE`)."""
+
+    seconds: tuple[float, ...]
+    rounds: int
+    quiet: bool
+
+
+def time_in_turns(
+    calls: Sequence[Callable[[], Any]], device: torch.device, runs: int, max_seconds: float
+) -> StepsTimed:
+    """Seconds of each of ``calls`` (whole steps, already warmed up), timed in turns.
+
+    A round runs every call once, in turn, so that all of them meet the same moment of the
+    machine (on a CPU at batch 1, a forward pass of a few milliseconds takes 2.5 ms in one
+    process and 4.4 in the next). Rounds go on until ``runs`` are quiet, up to
+    :data:`IN_STEP_MAX_FACTOR` times ``runs`` rounds or ``max_seconds``, whichever comes
+    first (one round at least); the median of the quiet rounds counts where there are at
+    least three, else of every round (not ``quiet``).
+    """
+    sync = synchronizer(device)
+    started = time.perf_counter()
+    rounds: list[list[float]] = []
+    quiet: list[list[float]] = []
+    while len(quiet) < runs and len(rounds) < IN_STEP_MAX_FACTOR * runs:
+        if rounds and time.perf_counter() - started > max_seconds:
+            break
+        times, all_quiet = [], True
+        for call in calls:
+            with _Share() as run:
+                call()
+                sync()
+            times.append(run.wall)
+            all_quiet = all_quiet and run.quiet
+        rounds.append(times)
+        if all_quiet:
+            quiet.append(times)
+    counted = quiet if len(quiet) >= 3 else rounds
+    seconds = tuple(statistics.median(r[i] for r in counted) for i in range(len(calls)))
+    return StepsTimed(seconds, len(counted), counted is quiet)
+
+
+def measure_steps(
+    steps: Sequence[tuple[Graph, Sequence[str], Mapping[str, NodeStrides]]],
+    device: torch.device,
+    runs: int,
+    max_seconds: float,
+) -> StepsTimed:
+    """Seconds of each of ``steps`` (a graph, the order it runs in, its replayed strides), run
+    as a plan runs it (the generated step, :mod:`magis.backend.codegen`), timed in turns
+    (:func:`time_in_turns`) after a warm-up.
+
+    The steps read random inputs of their recorded shapes, one tensor per input name and
+    layout however many steps read it. Raises what a step raises when it cannot run; the
+    random number generators are left as they were.
+    """
+    started = time.perf_counter()
+    shared: dict[tuple[str, TensorMeta | None, Strides | None], torch.Tensor | None] = {}
+    calls: list[Callable[[], Any]] = []
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for graph, order, strides in steps:
+            inputs: dict[str, Any] = {}
+            for node in graph.nodes:
+                if node.is_input:  # an input without a tensor (the optimizer's handle) is None
+                    meta, stride = (node.outputs[0], strides[node.name][0]) if node.outputs else (None, None)
+                    key = (node.name, meta, stride)
+                    if key not in shared:
+                        shared[key] = None if meta is None else random_tensor(meta, stride, device)
+                    inputs[node.name] = shared[key]
+            step = generate(lower(graph, order))
+            step(dict(inputs))  # warm-up
+            calls.append(functools.partial(_run_step, step, inputs))
+        return time_in_turns(calls, device, runs, max_seconds - (time.perf_counter() - started))
+
+
+def _run_step(step: Callable[[dict], Any], inputs: dict[str, Any]) -> None:
+    step(dict(inputs))  # the step frees what it reads from its own copy of the inputs
+
+
 class _Share:
     """The wall time of a ``with`` block, and whether this thread ran for
     :data:`QUIET_SHARE` of it (its CPU time, the kernel's work for it included)."""

@@ -47,6 +47,11 @@ class SearchStats:
     first_feasible_s: float | None = None  # when the best state first met the limits
     stopped_by: str = ""  # "queue empty", "state limit" or "time budget"
     rules: dict[str, int] = field(default_factory=dict)  # states made per rule
+    #: the choice confirmed by timing (:mod:`magis.search.timed_choice`): plans timed, rounds
+    #: counted, and what the timing decided (empty: nothing was timed)
+    timed_plans: int = 0
+    timed_rounds: int = 0
+    timed_choice: str = ""
 
 
 @dataclass
@@ -65,6 +70,8 @@ class Ledger:
     start: float = field(init=False)
     deadline: float = field(init=False)
     best: MState = field(init=False)  # set by :meth:`begin`
+    #: the states no other state beats in both peak and latency (the first of equals kept)
+    front: list[MState] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.start = time.perf_counter()
@@ -98,6 +105,15 @@ class Ledger:
             self.bar.set_postfix_str(f"best peak {state.peak_bytes / 2**20:.2f} MiB, {state.latency_s * 1e3:.3f} ms")
         if push:
             heapq.heappush(self.queue, (self.objective.queue_rank(state), next(self.counter), state))
+        self._onto_front(state)
+
+    def _onto_front(self, state: MState) -> None:
+        """Add ``state`` to :attr:`front` unless a state there is as good in both figures."""
+        peak, latency = state.peak_bytes, state.latency_s
+        if any(s.peak_bytes <= peak and s.latency_s <= latency for s in self.front):
+            return
+        self.front = [s for s in self.front if not (peak <= s.peak_bytes and latency <= s.latency_s)]
+        self.front.append(state)
 
     def pop(self) -> MState:
         """The best state queued (Alg. 3, line 12), taken off the queue."""

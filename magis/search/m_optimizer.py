@@ -67,11 +67,13 @@ SCHEDULE_S = 20.0
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The best state found, the first state (the scheduled captured step) and statistics."""
+    """The best state found, the first state (the scheduled captured step), statistics, and
+    the states no other beats in both peak and latency (by peak; the best among them)."""
 
     best: MState
     initial: MState
     stats: SearchStats
+    front: tuple[MState, ...] = ()
 
 
 def m_optimize(
@@ -105,7 +107,8 @@ def m_optimize(
         FirstLevel(ledger, frozenset(rule.name for rule in active), levels).run(graph, initial)  # lines 10-11
         _Search(ledger, active, levels).loop()  # lines 12-21
     ledger.stats.seconds = time.perf_counter() - ledger.start
-    return SearchResult(ledger.best, initial, ledger.stats)
+    front = tuple(sorted(ledger.front, key=lambda s: (s.peak_bytes, s.latency_s)))
+    return SearchResult(ledger.best, initial, ledger.stats, front)
 
 
 def _bar_format(time_budget: float) -> str:

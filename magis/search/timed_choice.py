@@ -1,0 +1,138 @@
+"""The search's choice confirmed by timing: the plans nearest the best, run for real in turns
+with the captured step before one is returned (on a CPU).
+
+The search ranks states by the simulator's latency (MAGIS §5), whose operators never timed
+are estimated from their kin (:class:`~magis.cost.latency.ProfiledCostModel`). On a CPU those
+estimates can be off by 10-20% where a plan runs operators of a form the captured step never
+ran, and the captured step's own time moves from process to process (a batch-1 forward of a
+few milliseconds: 2.5 ms in one, 4.4 in the next). A latency limit is a ratio to the captured
+step, so what it needs is the two timed at the same moment. Before returning, the few states
+of the search's peak/latency front nearest the best (:func:`contenders`) and the captured step
+are timed whole, in turns (:meth:`~magis.cost.latency.ProfiledCostModel.time_steps`), and the
+best of them by the objective with the timed figures wins: a plan estimated just over the
+limit that runs within it replaces one estimated within it, and one that runs over it gives
+way to the next. A latency limit then holds as timed, not only as estimated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from magis.cost.op_timing import StepsTimed
+from magis.ir.graph import Graph
+from magis.search.objective import Objective
+from magis.search.state import MState
+
+#: states over the latency limit by at most this factor may be timed within it (the kin's
+#: estimates of a CPU plan were 10-20% off where it ran operators of a new form)
+RELAX = 1.25
+#: states of the front timed on each side of the best
+NEAR = 3
+
+#: steps are timed only where warming each up and this many rounds fit the time given
+ROUNDS_ESTIMATED = 4
+
+#: times the steps given (the captured step first) in turns, for at most about the seconds given
+TimeSteps = Callable[[Sequence[tuple[Graph, Sequence[str]]], float], StepsTimed]
+
+
+@dataclass(frozen=True)
+class TimedChoice:
+    """The state chosen with the timed figures, the objective rescaled to the captured step as
+    timed (a latency limit is a ratio to it), that step's timed latency, and what was done."""
+
+    best: MState
+    objective: Objective
+    baseline_latency_s: float
+    plans: int  # states timed
+    rounds: int  # rounds of turns that counted
+    note: str
+
+
+def contenders(front: Sequence[MState], best: MState, initial: MState, objective: Objective) -> list[MState]:
+    """The states worth timing, most worth it first: ``best``, its nearest neighbour on each
+    side on the ``front`` (states no other beats in both peak and latency), ``initial`` (the
+    scheduled captured step, which meets any latency limit as timed but for noise), then the
+    next neighbours, up to :data:`NEAR` on each side.
+
+    In latency mode the neighbours are the states of lower peak estimated over the limit by at
+    most :data:`RELAX` (nearest the limit first: the highest peaks below the best's) and those
+    of higher peak and lower latency, should the best run over the limit. In memory mode they
+    are the next fastest within the memory limit, since the fastest as estimated need not be
+    the fastest as timed.
+    """
+    by_peak = sorted(front, key=lambda s: (s.peak_bytes, s.latency_s))
+    if objective.mode == "latency":
+        assert objective.latency_s is not None
+        lower = [
+            s
+            for s in reversed(by_peak)
+            if s.peak_bytes < best.peak_bytes
+            and s.latency_s <= RELAX * objective.latency_s
+            and (objective.memory_bytes is None or s.peak_bytes <= objective.memory_bytes)
+        ]
+        higher = [s for s in by_peak if s.peak_bytes > best.peak_bytes]
+        sides = [lower[:NEAR], higher[:NEAR]]
+    else:
+        assert objective.memory_bytes is not None
+        within = sorted((s for s in front if s.peak_bytes <= objective.memory_bytes), key=lambda s: s.latency_s)
+        sides = [[s for s in within if s is not best][: 2 * NEAR]]
+    nearest = [side[0] for side in sides if side]
+    farther = [side[i] for i in range(1, 2 * NEAR) for side in sides if i < len(side)]
+    chosen: list[MState] = []
+    for state in (best, *nearest, initial, *farther):
+        if all(state is not s for s in chosen):
+            chosen.append(state)
+    return chosen
+
+
+def timed_choice(
+    front: Sequence[MState],
+    best: MState,
+    initial: MState,
+    objective: Objective,
+    baseline: tuple[Graph, Sequence[str]],
+    baseline_latency_s: float,
+    time_steps: TimeSteps,
+    max_seconds: float,
+) -> TimedChoice:
+    """The best of the :func:`contenders` by ``objective`` once they and ``baseline`` (the
+    captured step, estimated at ``baseline_latency_s``) are timed whole in turns by
+    ``time_steps`` (module docstring). The objective's latency limit is rescaled by the
+    captured step's timed over its estimated latency. Only as many contenders are timed as
+    fit ``max_seconds`` (a warm-up and :data:`ROUNDS_ESTIMATED` rounds, as estimated); none
+    where the best alone does not.
+
+    Where the rounds were not quiet (another process held the cores) or no contender meets
+    the limits as timed, the estimates decide as they did, and the note says why.
+    """
+    states: list[MState] = []
+    needed = ROUNDS_ESTIMATED * baseline_latency_s
+    for state in contenders(front, best, initial, objective):
+        needed += ROUNDS_ESTIMATED * state.latency_s
+        if needed > max_seconds:
+            break
+        states.append(state)
+    if not states:
+        return TimedChoice(best, objective, baseline_latency_s, 0, 0, "not timed: the steps take too long")
+    timed = time_steps([baseline, *((s.graph, s.order) for s in states)], max_seconds)
+    unchanged = TimedChoice(best, objective, baseline_latency_s, len(states), timed.rounds, "")
+    if not timed.quiet:
+        return replace(unchanged, note="kept as estimated: other processes kept the cores busy while it was timed")
+    timed_baseline, *seconds = timed.seconds
+    if objective.latency_s is not None:
+        objective = replace(objective, latency_s=objective.latency_s * timed_baseline / baseline_latency_s)
+    candidates = [replace(s, latency_s=t) for s, t in zip(states, seconds)]
+    chosen = min(candidates, key=lambda s: objective.rank(s.peak_bytes, s.latency_s))
+    if not objective.met_by(chosen):
+        return replace(unchanged, note="kept as estimated: none of the plans timed met the limits as timed")
+    if chosen.graph is best.graph and chosen.order == best.order:
+        note = "the best as estimated, confirmed"
+    elif objective.mode == "memory":
+        note = "a plan estimated slower ran faster"
+    elif chosen.peak_bytes < best.peak_bytes:
+        note = "a plan of lower peak, estimated over the latency limit, ran within it"
+    else:
+        note = "the best as estimated ran over the latency limit; the next plan within it was taken"
+    return TimedChoice(chosen, objective, timed_baseline, len(states), timed.rounds, note)

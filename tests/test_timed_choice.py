@@ -1,0 +1,177 @@
+"""The search's choice confirmed by timing (magis.search.timed_choice): the plans nearest the
+best, timed in turns with the captured step, decide by their timed figures; on a CPU
+``magis.optimize`` returns a plan whose latency limit holds as timed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from test_fission import captured, in_float64
+
+import magis
+from magis.cost.latency import cost_model, estimate_latency
+from magis.cost.op_timing import StepsTimed
+from magis.ir.graph import Graph
+from magis.models import WORKLOADS
+from magis.search.m_optimizer import Objective, m_optimize
+from magis.search.state import MState
+from magis.search.timed_choice import ROUNDS_ESTIMATED, contenders, timed_choice
+
+
+@pytest.fixture(scope="module")
+def searched():
+    """U-Net's (tiny) search front, and a latency limit that cuts through it: the best within
+    it has states of lower peak just over it, and of higher peak under it."""
+    graph = captured(in_float64(WORKLOADS["unet"].build("tiny", seed=0))).graph
+    model = cost_model("h200")
+    order = [n.name for n in graph.nodes]
+    baseline_s = estimate_latency(graph, order, model).total_s
+    loose = Objective("latency", latency_s=1.05 * baseline_s)
+    result = m_optimize(graph, loose, model, time_budget=60, max_states=150, progress=False)
+    front = sorted(result.front, key=lambda s: s.peak_bytes)
+    assert len(front) >= 3, "the test needs a front with states on both sides of the best"
+    objective = Objective("latency", latency_s=front[1].latency_s)
+    best = min(front, key=lambda s: objective.rank(s.peak_bytes, s.latency_s))
+    assert best is front[1]
+    return front, best, result.initial, objective, (graph, order), baseline_s
+
+
+def _timer(
+    states: Sequence[MState], seconds: Callable[[MState | None], float], quiet: bool = True
+) -> tuple[Callable[[Sequence[tuple[Graph, Sequence[str]]], float], StepsTimed], list[list[MState | None]]]:
+    """A stand-in for the cost model's ``time_steps``: each step, one of ``states`` or the
+    captured step (``None``), takes ``seconds(state)``; the calls made are recorded."""
+    by_step = {(id(s.graph), tuple(s.order)): s for s in states}
+    calls: list[list[MState | None]] = []
+
+    def time_steps(steps: Sequence[tuple[Graph, Sequence[str]]], max_seconds: float) -> StepsTimed:
+        called = [None, *(by_step[(id(graph), tuple(order))] for graph, order in steps[1:])]
+        calls.append(called)
+        return StepsTimed(tuple(seconds(s) for s in called), rounds=10, quiet=quiet)
+
+    return time_steps, calls
+
+
+def _choose(searched, seconds: Callable[[MState | None], float], quiet: bool = True, max_seconds: float = 1e9):
+    front, best, initial, objective, baseline, baseline_s = searched
+    time_steps, calls = _timer((*front, initial), seconds, quiet)
+    chosen = timed_choice(front, best, initial, objective, baseline, baseline_s, time_steps, max_seconds)
+    return chosen, calls
+
+
+def _as_estimated(baseline_s: float) -> Callable[[MState | None], float]:
+    return lambda s: baseline_s if s is None else s.latency_s
+
+
+def test_the_contenders_are_the_best_its_neighbours_and_the_captured_step(searched):
+    front, best, initial, objective, _, _ = searched
+    states = contenders(front, best, initial, objective)
+    assert states[0] is best and initial in states
+    assert states[1] is front[0]  # the lower peak just over the limit comes first
+    assert front[2] in states
+    assert len({id(s) for s in states}) == len(states)
+
+
+def test_times_as_estimated_confirm_the_best(searched):
+    _, best, _, objective, _, baseline_s = searched
+    chosen, calls = _choose(searched, _as_estimated(baseline_s))
+    assert chosen.best.graph is best.graph and chosen.best.order == best.order
+    assert chosen.objective == objective and chosen.baseline_latency_s == baseline_s
+    assert chosen.note == "the best as estimated, confirmed"
+    assert len(calls) == 1 and calls[0][0] is None and calls[0][1] is best
+
+
+def test_a_best_that_runs_over_the_limit_gives_way_to_the_next_within_it(searched):
+    _, best, _, objective, _, baseline_s = searched
+    estimated = _as_estimated(baseline_s)
+    chosen, calls = _choose(searched, lambda s: 2 * objective.latency_s if s is best else estimated(s))
+    assert chosen.best.peak_bytes > best.peak_bytes
+    assert chosen.best.latency_s <= objective.latency_s
+    within = [s for s in calls[0][1:] if s is not best and s.latency_s <= objective.latency_s]
+    assert chosen.best.peak_bytes == min(s.peak_bytes for s in within)
+    assert "ran over the latency limit" in chosen.note
+
+
+def test_a_lower_peak_estimated_over_the_limit_that_runs_within_it_is_taken(searched):
+    front, best, _, objective, _, baseline_s = searched
+    lower = front[0]
+    assert lower.latency_s > objective.latency_s  # estimated over the limit
+    estimated = _as_estimated(baseline_s)
+    chosen, _ = _choose(searched, lambda s: 0.99 * objective.latency_s if s is lower else estimated(s))
+    assert chosen.best.graph is lower.graph and chosen.best.peak_bytes < best.peak_bytes
+    assert chosen.best.latency_s == pytest.approx(0.99 * objective.latency_s)
+    assert "lower peak" in chosen.note
+
+
+def test_the_limit_is_a_ratio_to_the_captured_step_timed_at_the_same_moment(searched):
+    """A machine three times slower in this process slows the captured step too: nothing changes
+    but the figures."""
+    _, best, _, objective, _, baseline_s = searched
+    estimated = _as_estimated(baseline_s)
+    chosen, _ = _choose(searched, lambda s: 3 * estimated(s))
+    assert chosen.best.graph is best.graph
+    assert chosen.objective.latency_s == pytest.approx(3 * objective.latency_s)
+    assert chosen.baseline_latency_s == pytest.approx(3 * baseline_s)
+
+
+def test_a_busy_machine_leaves_the_choice_to_the_estimates(searched):
+    front, best, _, objective, _, baseline_s = searched
+    chosen, _ = _choose(searched, lambda s: 0.5 * baseline_s if s is front[0] else baseline_s, quiet=False)
+    assert chosen.best is best and chosen.objective == objective and chosen.baseline_latency_s == baseline_s
+    assert "busy" in chosen.note
+
+
+def test_nothing_within_the_limit_as_timed_leaves_the_choice_to_the_estimates(searched):
+    _, best, _, objective, _, baseline_s = searched
+    chosen, _ = _choose(searched, lambda s: baseline_s if s is None else 10 * baseline_s)
+    assert chosen.best is best and chosen.objective == objective
+    assert "none of the plans timed" in chosen.note
+
+
+def test_only_the_contenders_that_fit_the_time_given_are_timed(searched):
+    front, best, initial, objective, _, baseline_s = searched
+    everyone = contenders(front, best, initial, objective)
+    two = ROUNDS_ESTIMATED * (baseline_s + best.latency_s + everyone[1].latency_s)
+    _, calls = _choose(searched, _as_estimated(baseline_s), max_seconds=two * 1.001)
+    assert calls[0][1:] == everyone[:2]
+    chosen, calls = _choose(searched, _as_estimated(baseline_s), max_seconds=ROUNDS_ESTIMATED * baseline_s)
+    assert not calls and chosen.best is best and chosen.note.startswith("not timed")
+
+
+def test_in_memory_mode_the_fastest_as_timed_within_the_memory_limit_wins(searched):
+    front, _, initial, _, baseline, baseline_s = searched
+    objective = Objective("memory", memory_bytes=front[2].peak_bytes)
+    within = sorted((s for s in front if s.peak_bytes <= objective.memory_bytes), key=lambda s: s.latency_s)
+    fastest, slower = within[0], within[1]
+    estimated = _as_estimated(baseline_s)
+    time_steps, _ = _timer((*front, initial), lambda s: 0.5 * slower.latency_s if s is slower else estimated(s))
+    chosen = timed_choice(front, fastest, initial, objective, baseline, baseline_s, time_steps, 1e9)
+    assert chosen.best.graph is slower.graph and chosen.note == "a plan estimated slower ran faster"
+
+
+def test_a_cpu_plan_is_timed_in_turns_with_the_captured_step(convnet, one_thread):
+    """The way a user calls it: on this CPU the plan returned was timed beside the captured step,
+    and a limit met as timed is met by the figures the plan reports."""
+    model, batch, loss_fn = convnet
+    plan = magis.optimize(model, batch, loss_fn, latency_limit=1.1, time_budget=10, progress=False)
+    timed = plan.report().search["timed"]
+    assert timed["plans"] >= 2 and timed["rounds"] >= 3
+    assert timed["choice"] and not timed["choice"].startswith("not timed")
+    if not timed["choice"].startswith("kept as estimated"):
+        assert plan.report().latency_ratio <= 1.1
+    torch.manual_seed(0)
+    plan(*batch)  # runs
+
+
+def test_an_inference_plan_is_timed_as_its_user_calls_it_beside_the_eager_forward(convnet, one_thread):
+    model, batch, _ = convnet
+    model.eval()
+    plan = magis.optimize(model, batch, inference=True, latency_limit=1.2, time_budget=10, progress=False)
+    timed = plan.report().search["timed"]
+    assert timed["plans"] >= 2 and timed["rounds"] >= 3
+    assert timed["choice"] and not timed["choice"].startswith("not timed")
+    with torch.no_grad():
+        expected = model(*batch)
+    torch.testing.assert_close(plan(*batch), expected)
