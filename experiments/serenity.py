@@ -23,14 +23,17 @@ at ``--preset`` (``paper``: batch 1) and captured forward-only
 Each order is also run for real on this CPU (``--device cuda``: on the GPU, ``magis`` priced by
 the ``--cost-model`` profile, h200 by default): measured peak (:mod:`magis.backend.meter`) against
 simulated, outputs against eager's forward; ``magis``' plan is also timed against eager's forward
-(:func:`yardstick.protocol.interleaved_timings`: its simulated latency is the search's estimate).
+(:func:`yardstick.protocol.interleaved_timings`; its latency as planned is the one it was chosen
+by: on a CPU timed beside eager's forward while planning, :mod:`magis.search.timed_choice`).
+Unless ``--allocator default``, glibc's malloc keeps freed memory (:func:`driver.steady_allocator`),
+for eager as for the plans: otherwise page faults make batch-1 timings bimodal.
 Prints and writes, per network and on average, the
 reduction factors (PyTorch's peak over each), and the identity rewrites' share (the factor with
 rewrites over the factor without). Writes ``<out>/serenity-<preset>.json`` and ``.png``.
 
     python experiments/serenity.py [--preset paper] [--models darts-imagenet,...] [--time-limit 20]
                                    [--latency-limit 1.10] [--time-budget 60] [--device cpu|cuda]
-                                   [--cost-model h200] [--out results/serenity]
+                                   [--cost-model h200] [--allocator steady|default] [--out results/serenity]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from driver import kahn_order, write_json
+from driver import kahn_order, steady_allocator, write_json
 
 import magis
 from magis.api import measure_against_eager
@@ -182,8 +185,15 @@ def main() -> None:
     parser.add_argument(
         "--cost-model", default=None, help="magis' latency model (default: profiled on this CPU; h200 on cuda)"
     )
+    parser.add_argument(
+        "--allocator",
+        choices=("steady", "default"),
+        default="steady",
+        help="glibc malloc keeping what is freed (driver.steady_allocator), or as it is (default: steady)",
+    )
     parser.add_argument("--out", default="results/serenity")
     args = parser.parse_args()
+    steady = args.allocator == "steady" and steady_allocator()
     args.device = torch.device(args.device)
     if args.cost_model is None and args.device.type == "cuda":
         args.cost_model = "h200"
@@ -199,6 +209,7 @@ def main() -> None:
     summary["rewrites_share"] = summary["mean_reduction_serenity+rewrites"] / summary["mean_reduction_serenity"]
     summary["measured_equals_simulated"] = all(r["measured_equals_simulated"] for r in rows)
     summary["max_output_error"] = max(o["max_output_error"] for r in rows for o in r["orders"].values())
+    summary["allocator"] = "steady" if steady else "default"
     out = write_json(Path(args.out) / f"serenity-{args.preset}.json", {"summary": summary, "networks": rows})
     plot(rows, out.with_suffix(".png"))
     for r in rows:
@@ -206,7 +217,7 @@ def main() -> None:
         latency = r["magis_measured_latency"]
         print(
             f"{r['network']}: {r['nodes']} nodes; reduction vs PyTorch's order: {factors}; magis' latency "
-            f"{r['magis_latency_ratio']:.3f} simulated, {latency['ratio']:.3f} ± {latency['stderr']:.3f} measured"
+            f"{r['magis_latency_ratio']:.3f} as planned, {latency['ratio']:.3f} ± {latency['stderr']:.3f} measured"
         )
     print(", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
