@@ -4,6 +4,7 @@ best, timed in turns with the captured step, decide by their timed figures; on a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -12,7 +13,7 @@ from test_fission import captured, in_float64
 
 import magis
 from magis.cost.latency import cost_model, estimate_latency
-from magis.cost.op_timing import StepsTimed
+from magis.cost.op_timing import StepsTimed, time_in_turns
 from magis.ir.graph import Graph
 from magis.models import WORKLOADS
 from magis.search.m_optimizer import Objective, m_optimize
@@ -175,3 +176,16 @@ def test_an_inference_plan_is_timed_as_its_user_calls_it_beside_the_eager_forwar
     with torch.no_grad():
         expected = model(*batch)
     torch.testing.assert_close(plan(*batch), expected)
+
+
+def test_calls_timed_in_turns_keep_their_order_whichever_runs_first():
+    """Each round starts one call further on; the times come back in the calls' order."""
+    ran: list[int] = []
+
+    def call(i: int, seconds: float) -> Callable[[], None]:
+        return lambda: (ran.append(i), time.sleep(seconds))
+
+    timed = time_in_turns([call(0, 0.004), call(1, 0.001), call(2, 0.002)], torch.device("cpu"), 4, 10.0)
+    assert timed.seconds[1] < timed.seconds[2] < timed.seconds[0]
+    assert {ran[k * 3] for k in range(3)} == {0, 1, 2}  # each call ran first in some round
+    assert not timed.quiet  # sleeping is not running: no round counts as quiet

@@ -298,10 +298,11 @@ def time_in_turns(
 
     A round runs every call once, in turn, so that all of them meet the same moment of the
     machine (on a CPU at batch 1, a forward pass of a few milliseconds takes 2.5 ms in one
-    process and 4.4 in the next). Rounds go on until ``runs`` are quiet, up to
-    :data:`IN_STEP_MAX_FACTOR` times ``runs`` rounds or ``max_seconds``, whichever comes
-    first (one round at least); the median of the quiet rounds counts where there are at
-    least three, else of every round (not ``quiet``).
+    process and 4.4 in the next), each round starting one call further on, so that no call
+    always follows the same one (or runs first, after the gap between rounds). Rounds go on
+    until ``runs`` are quiet, up to :data:`IN_STEP_MAX_FACTOR` times ``runs`` rounds or
+    ``max_seconds``, whichever comes first (one round at least); the median of the quiet
+    rounds counts where there are at least three, else of every round (not ``quiet``).
     """
     sync = synchronizer(device)
     started = time.perf_counter()
@@ -310,12 +311,13 @@ def time_in_turns(
     while len(quiet) < runs and len(rounds) < IN_STEP_MAX_FACTOR * runs:
         if rounds and time.perf_counter() - started > max_seconds:
             break
-        times, all_quiet = [], True
-        for call in calls:
+        times, all_quiet = [0.0] * len(calls), True
+        first = len(rounds) % len(calls)
+        for i in [*range(first, len(calls)), *range(first)]:
             with _Share() as run:
-                call()
+                calls[i]()
                 sync()
-            times.append(run.wall)
+            times[i] = run.wall
             all_quiet = all_quiet and run.quiet
         rounds.append(times)
         if all_quiet:
