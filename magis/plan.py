@@ -25,9 +25,10 @@ autocast state (:class:`~magis.frontend.conditions.Conditions`).
 
 The figures are simulated (MAGIS §5): ``peak_bytes`` and ``latency_s`` of the plan,
 ``baseline_peak_bytes`` and ``baseline_latency_s`` of the captured step in its
-captured order, what the magis runtime does without optimization. On a CPU the two
-latencies are timed instead, the plan's in turns with the captured step's when its choice
-was confirmed by timing (:mod:`magis.search.timed_choice`; ``report().search["timed"]``).
+captured order, what the magis runtime does without optimization. On a CPU, where the
+choice was confirmed by timing (:mod:`magis.search.timed_choice`; ``report().search["timed"]``),
+both latencies are timed instead, in turns: the plan's beside the captured step's, an
+inference plan's (called as its user calls it) beside the model's own forward.
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ estimates can be off by 10-20% where a plan runs operators of a form the capture
 ran, and the captured step's own time moves from process to process (a batch-1 forward of a
 few milliseconds: 2.5 ms in one, 4.4 in the next). A latency limit is a ratio to the captured
 step, so what it needs is the two timed at the same moment. Before returning, the few states
-of the search's peak/latency front nearest the best (:func:`contenders`) and the captured step
-are timed whole, in turns (:meth:`~magis.cost.latency.ProfiledCostModel.time_steps`), and the
-best of them by the objective with the timed figures wins: a plan estimated just over the
-limit that runs within it replaces one estimated within it, and one that runs over it gives
-way to the next. A latency limit then holds as timed, not only as estimated.
+of the search's peak/latency front nearest the best (:func:`contenders`) are timed whole, in
+turns with the step they are compared to (the caller says how: the captured step as the
+runtime runs it, :meth:`~magis.cost.latency.ProfiledCostModel.time_steps`, or for an inference
+plan each state called as its user calls it beside the model's own forward, in
+:func:`magis.api.optimize`), and the best of them by the objective with the timed figures
+wins: a plan estimated just over the limit that runs within it replaces one estimated within
+it, and one that runs over it gives way to the next. A latency limit then holds as timed, not
+only as estimated.
 """
 
 from __future__ import annotations
