@@ -364,24 +364,28 @@ def _confirmed_by_timing(plan: Plan, result: SearchResult, batch: Any, time_budg
     An inference plan is measured as its user sees it, against the model's own forward: each
     plan called on ``batch`` as it will be called, per-call checks included, beside eager's
     ``model(*batch)`` under ``no_grad``. A training step (whose eager run would change the
-    model) is measured as the runtime runs it, against the captured step. A plan priced by a
+    model), or a forward that updates buffers (batch norm in training mode), is measured as the
+    runtime runs it on random inputs, against the captured step. A plan priced by a
     device profile, on CUDA, or compiled stays as the search chose it."""
     model, stats = plan.cost_model, plan.search.stats
     if not isinstance(model, ProfiledCostModel) or plan.runtime == "compiled":
         return plan
     baseline = (plan.baseline, [n.name for n in plan.baseline.nodes])
-    time_steps = _calls_timer(plan, batch, model) if plan.graph.signature.inference else model.time_steps
+    sig = plan.graph.signature
+    calls = sig.inference and not sig.buffer_updates  # calling them must leave the model as it was
+    time_steps = _calls_timer(plan, batch, model) if calls else model.time_steps
     try:
-        chosen = timed_choice(
-            result.front,
-            result.best,
-            result.initial,
-            plan.objective,
-            baseline,
-            plan.baseline_latency_s,
-            time_steps,
-            max(TIMED_MIN_S, TIMED_SHARE * time_budget),
-        )
+        with forked_rng(plan.model):  # a step drawing from the model's own generator leaves it as it was
+            chosen = timed_choice(
+                result.front,
+                result.best,
+                result.initial,
+                plan.objective,
+                baseline,
+                plan.baseline_latency_s,
+                time_steps,
+                max(TIMED_MIN_S, TIMED_SHARE * time_budget),
+            )
     except CannotTime as err:
         stats.timed_choice = f"not timed: {err}"
         return plan
@@ -402,7 +406,7 @@ def _confirmed_by_timing(plan: Plan, result: SearchResult, batch: Any, time_budg
 def _calls_timer(plan: Plan, batch: Any, model: ProfiledCostModel) -> TimeSteps:
     """Times an inference plan's candidates as its user calls them: the first step given (the
     captured step) is the model's own forward, eager under ``no_grad``, the others ``plan`` made
-    of them, called on ``batch``; the generators are left as they were."""
+    of them, called on ``batch``."""
     batch = as_batch(batch)
     args = batch if plan.batch.kind == "args" else (batch,)
 
@@ -411,7 +415,7 @@ def _calls_timer(plan: Plan, batch: Any, model: ProfiledCostModel) -> TimeSteps:
         candidates = [replace(plan, graph=graph, order=tuple(order)) for graph, order in steps[1:]]
         calls: list[Callable[[], Any]] = [functools.partial(UserStep.output, plan.model, batch)]
         calls += [functools.partial(candidate, *args) for candidate in candidates]
-        with torch.no_grad(), forked_rng(plan.model):
+        with torch.no_grad():
             try:
                 for call in calls:  # warm-up
                     call()

@@ -4,6 +4,7 @@ best, timed in turns with the captured step, decide by their timed figures; on a
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 
@@ -189,3 +190,32 @@ def test_calls_timed_in_turns_keep_their_order_whichever_runs_first():
     assert timed.seconds[1] < timed.seconds[2] < timed.seconds[0]
     assert {ran[k * 3] for k in range(3)} == {0, 1, 2}  # each call ran first in some round
     assert not timed.quiet  # sleeping is not running: no round counts as quiet
+
+
+def test_timing_leaves_the_model_as_it_was(one_thread):
+    """Planning times steps many times; a batch norm in training mode (whose forward updates its
+    statistics) and a model's own generator are left as they were, as after eager's one call."""
+
+    class Noisy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.norm = torch.nn.BatchNorm2d(8)
+            self.generator = torch.Generator().manual_seed(7)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.conv(x + 0.1 * torch.randn(x.shape, generator=self.generator))).relu()
+
+    torch.manual_seed(0)
+    model = Noisy()
+    before = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    plan = magis.optimize(model, (x,), inference=True, latency_limit=1.2, time_budget=5, progress=False)
+    assert plan.report().search["timed"]["plans"] >= 2
+    assert torch.equal(model.generator.get_state(), before.generator.get_state())
+    for name, buffer in before.state_dict().items():
+        assert torch.equal(model.state_dict()[name], buffer), name
+    with torch.no_grad():
+        expected = before(x)
+    torch.testing.assert_close(plan(x), expected)
+    torch.testing.assert_close(model.norm.running_mean, before.norm.running_mean)
