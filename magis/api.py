@@ -345,6 +345,7 @@ def optimize(
         runtime="compiled" if compile else "generated",
         cuda_graphs=cuda_graphs,
         output_spec=captured.output_spec,
+        output_nones=captured.output_nones,
         step_output=captured.step_output,
         step_functions=(loss_fn, training_step),
     )

@@ -147,6 +147,7 @@ class Plan:
     runtime: PlanRuntime = "generated"  # how the step runs: one of PLAN_RUNTIMES
     cuda_graphs: bool = True  # on CUDA, replay the step as a CUDA graph (magis.backend.cuda_graph)
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)  # an inference plan's output structure
+    output_nones: tuple[int, ...] = field(default=(), repr=False)  # where its leaves are None
     step_output: StepOutput = field(default_factory=StepOutput, repr=False)  # what the training step returns
     #: the user's loss_fn and training_step, whose global values each call checks (not saved)
     step_functions: tuple[Callable[..., Any] | None, ...] = field(default=(), repr=False)
@@ -246,7 +247,10 @@ class Plan:
         with autocast_off():
             runner = self._runner()
             result = run_program(self.program, self.model, inputs, runtime=runner, module_inputs=self.module_inputs)
-        return pytree.tree_unflatten(list(result.outputs), self.output_spec)
+        leaves = list(result.outputs)
+        for position in self.output_nones:  # in increasing order: each lands where it was
+            leaves.insert(position, None)
+        return pytree.tree_unflatten(leaves, self.output_spec)
 
     def _runner(self) -> Runtime | StepRunner:
         """What runs the bound step: the generated code or its compiled form (made once), replayed

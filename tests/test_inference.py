@@ -147,6 +147,33 @@ def test_an_output_that_is_not_tensors_is_refused_by_name():
         capture_forward(model, (torch.randn(2, 4),))
 
 
+class _WithNone(nn.Module):
+    """A forward whose output holds ``None`` beside its tensors, as a model returns an auxiliary
+    loss only in training (``(logits, None)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return None, {"logits": self.head(x), "aux": None}, self.head(x).relu()
+
+
+def test_an_output_holding_none_comes_back_as_eager_returns_it(tmp_path):
+    torch.manual_seed(0)
+    model, x = _WithNone().eval(), torch.randn(2, 4)
+    plan = magis.optimize(model, (x,), inference=True, **SEARCH)
+    with torch.no_grad():
+        expected = model(x)
+    got = plan(x)
+    assert got[0] is None and got[1]["aux"] is None
+    torch.testing.assert_close(got, expected)
+    loaded = magis.load_plan(plan.save(tmp_path / "none.plan"), model)
+    torch.testing.assert_close(loaded(x), expected)
+    with pytest.raises(CaptureError, match="output holds no tensor"):
+        capture_forward(nn.Identity().eval(), ((None,),))
+
+
 def test_cli_plans_a_users_forward_and_runs_it(tmp_path, capsys):
     module = tmp_path / "users_net.py"
     module.write_text(

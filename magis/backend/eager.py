@@ -61,10 +61,11 @@ def eager_step(
 
 def eager_forward(model: torch.nn.Module, batch: Any) -> StepResult:
     """The model's forward on ``batch`` without gradients, as an inference step runs it: its
-    output's tensors (flattened, :func:`torch.utils._pytree.tree_flatten`) as ``outputs``."""
+    output's tensors (flattened, :func:`torch.utils._pytree.tree_flatten`, without its ``None`` s)
+    as ``outputs``."""
     with torch.no_grad():
         output = UserStep.output(model, as_batch(batch))
-    return StepResult(None, {}, {}, tuple(pytree.tree_leaves(output)))
+    return StepResult(None, {}, {}, tuple(leaf for leaf in pytree.tree_leaves(output) if leaf is not None))
 
 
 def separate_shared_gradients(model: torch.nn.Module) -> None:

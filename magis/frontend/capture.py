@@ -69,6 +69,8 @@ class Captured:
     seconds: float
     output_spec: pytree.TreeSpec | None = None
     step_output: StepOutput = field(default_factory=StepOutput)
+    #: where a forward's output holds ``None`` (positions among ``output_spec``'s leaves)
+    output_nones: tuple[int, ...] = ()
 
 
 Slot = tuple[torch.nn.Module, str, str]  # (module, "_parameters" or "_buffers", attribute)
@@ -242,14 +244,18 @@ def _tensor_hooks_warned() -> Iterator[None]:
 
 class _ForwardStep(StepModule):
     """The model's forward as the module AOTAutograd exports: returns the output's tensors,
-    flattened (:mod:`torch.utils._pytree`); ``output_spec`` is the output's structure."""
+    flattened (:mod:`torch.utils._pytree`); ``output_spec`` is the output's structure, and
+    ``output_nones`` where its leaves are ``None`` (``(logits, None)``: no tensor to compute)."""
 
     output_spec: pytree.TreeSpec | None = None
+    output_nones: tuple[int, ...] = ()
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
         with autocast_as(self.autocast), aliases_bound(self.aliases):
             output = UserStep.output(self.model, self.batch_of(inputs))
         leaves, self.output_spec = pytree.tree_flatten(output)
+        self.output_nones = tuple(i for i, leaf in enumerate(leaves) if leaf is None)
+        leaves = [leaf for leaf in leaves if leaf is not None]
         others = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)]
         if others or not leaves:
             raise CaptureError(
@@ -352,7 +358,7 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Captured:
     refuse_foreign_generators(gm, model)
     propagate_fake_values(gm)
     graph = graph_from_fx(gm, sig)
-    return Captured(graph, time.perf_counter() - start, step.output_spec)
+    return Captured(graph, time.perf_counter() - start, step.output_spec, output_nones=step.output_nones)
 
 
 class ParameterChanged(CaptureError):
