@@ -143,6 +143,7 @@ def measure_network(name: str, preset: str, args: argparse.Namespace) -> dict:
         "identity_rewrites": rewrites,
         "rewrites_kept": better,
         "magis_latency_ratio": plan.report().latency_ratio,
+        "magis_timed": plan.report().search["timed"],  # what timing the plans nearest the choice decided
         "magis_measured_latency": measured_latency(model, inputs, plan, args.device),
         "magis_steps": [s.rule for s in plan.search.best.steps],
         "orders": rows,
