@@ -125,9 +125,32 @@ def test_a_busy_machine_leaves_the_choice_to_the_estimates(searched):
     assert "busy" in chosen.note
 
 
+def test_a_captured_step_over_the_limit_as_timed_makes_the_limit_a_ratio_to_it(searched):
+    """Against a baseline faster than the captured step itself (a model's own forward, beside a
+    plan's per-call checks), nothing is within the limit: the limit becomes a ratio to the
+    captured step as timed, and the lowest peak within it wins."""
+    _, _, initial, objective, _, baseline_s = searched
+    estimated = _as_estimated(baseline_s)
+    chosen, calls = _choose(searched, lambda s: 0.5 * baseline_s if s is None else 2 * estimated(s))
+    timed = calls[0][1:]
+    assert initial in timed
+    ratio = objective.latency_s / baseline_s
+    within = [s for s in timed if 2 * s.latency_s <= ratio * 2 * initial.latency_s]
+    assert chosen.best.peak_bytes == min(s.peak_bytes for s in within)
+    assert chosen.baseline_latency_s == pytest.approx(2 * initial.latency_s)
+    assert chosen.objective.latency_s == pytest.approx(ratio * 2 * initial.latency_s)
+    assert "ratio to the captured step" in chosen.note
+
+
 def test_nothing_within_the_limit_as_timed_leaves_the_choice_to_the_estimates(searched):
-    _, best, _, objective, _, baseline_s = searched
-    chosen, _ = _choose(searched, lambda s: baseline_s if s is None else 10 * baseline_s)
+    """Where the captured step was not among the plans timed (the time given fit three), the
+    estimates decide."""
+    front, best, initial, objective, _, baseline_s = searched
+    first_three = contenders(front, best, initial, objective)[:3]
+    assert initial not in first_three
+    three = ROUNDS_ESTIMATED * (baseline_s + sum(s.latency_s for s in first_three))
+    chosen, calls = _choose(searched, lambda s: baseline_s if s is None else 10 * baseline_s, max_seconds=three * 1.001)
+    assert calls[0][1:] == first_three
     assert chosen.best is best and chosen.objective == objective
     assert "none of the plans timed" in chosen.note
 
