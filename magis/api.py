@@ -40,7 +40,7 @@ from magis.search.timed_choice import TimeSteps, timed_choice
 #: latency limit (ratio to the captured step) when neither limit is given
 DEFAULT_LATENCY_RATIO = 1.10
 #: share of the time budget (and seconds at least) for timing the plans nearest the search's
-#: choice in turns with the captured step (:func:`_timed`)
+#: choice in turns with the step they are compared to (:func:`_confirmed_by_timing`)
 TIMED_SHARE = 0.1
 TIMED_MIN_S = 2.0
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
