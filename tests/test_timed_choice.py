@@ -182,7 +182,7 @@ def test_a_cpu_plan_is_timed_in_turns_with_the_captured_step(convnet, one_thread
     model, batch, loss_fn = convnet
     plan = magis.optimize(model, batch, loss_fn, latency_limit=1.1, time_budget=10, progress=False)
     timed = plan.report().search["timed"]
-    assert timed["plans"] >= 2 and timed["rounds"] >= 3
+    assert timed["plans"] >= 1 and timed["rounds"] >= 3
     assert timed["choice"] and not timed["choice"].startswith("not timed")
     if not timed["choice"].startswith("kept as estimated"):
         assert plan.report().latency_ratio <= 1.1
@@ -195,7 +195,7 @@ def test_an_inference_plan_is_timed_as_its_user_calls_it_beside_the_eager_forwar
     model.eval()
     plan = magis.optimize(model, batch, inference=True, latency_limit=1.2, time_budget=10, progress=False)
     timed = plan.report().search["timed"]
-    assert timed["plans"] >= 2 and timed["rounds"] >= 3
+    assert timed["plans"] >= 1 and timed["rounds"] >= 3
     assert timed["choice"] and not timed["choice"].startswith("not timed")
     with torch.no_grad():
         expected = model(*batch)
@@ -234,7 +234,8 @@ def test_timing_leaves_the_model_as_it_was(one_thread):
     before = copy.deepcopy(model)
     x = torch.randn(2, 3, 8, 8)
     plan = magis.optimize(model, (x,), inference=True, latency_limit=1.2, time_budget=5, progress=False)
-    assert plan.report().search["timed"]["plans"] >= 2
+    timed = plan.report().search["timed"]
+    assert timed["plans"] >= 1 and timed["rounds"] >= 3  # a search whose front is one state times that one
     assert torch.equal(model.generator.get_state(), before.generator.get_state())
     for name, buffer in before.state_dict().items():
         assert torch.equal(model.state_dict()[name], buffer), name
