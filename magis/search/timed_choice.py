@@ -68,13 +68,8 @@ def contenders(front: Sequence[MState], best: MState, initial: MState, objective
     by_peak = sorted(front, key=lambda s: (s.peak_bytes, s.latency_s))
     if objective.mode == "latency":
         assert objective.latency_s is not None
-        lower = [
-            s
-            for s in reversed(by_peak)
-            if s.peak_bytes < best.peak_bytes
-            and s.latency_s <= RELAX * objective.latency_s
-            and (objective.memory_bytes is None or s.peak_bytes <= objective.memory_bytes)
-        ]
+        reach = RELAX * objective.latency_s
+        lower = [s for s in reversed(by_peak) if s.peak_bytes < best.peak_bytes and s.latency_s <= reach]
         higher = [s for s in by_peak if s.peak_bytes > best.peak_bytes]
         sides = [lower[:NEAR], higher[:NEAR]]
     else:
