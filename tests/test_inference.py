@@ -188,7 +188,8 @@ def test_cli_plans_a_users_forward_and_runs_it(tmp_path, capsys):
     assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["step"] == "inference" and report["peak_ratio"] <= 0.7
-    assert report["max_output_error"] == 0.0 and report["measured_peak_bytes"] == report["peak_bytes"]
+    # a plan that splits a convolution sums its parts in another order: float32's rounding (docs/usage.md)
+    assert report["max_output_error"] <= 1e-6 and report["measured_peak_bytes"] == report["peak_bytes"]
     assert main(["schedule", f"{module}:make", "--inference", "--json"]) == 0
     scheduled = json.loads(capsys.readouterr().out)
     assert scheduled["step"] == "inference" and scheduled["optimized_peak_bytes"] <= scheduled["captured_peak_bytes"]
