@@ -197,6 +197,7 @@ def optimize(
     compile: bool = False,
     inference: bool = False,
     cuda_graphs: bool = True,
+    timed: bool = True,
 ) -> Plan:
     """Capture the training step and search for the plan MAGIS Algorithm 3 finds best.
 
@@ -216,6 +217,7 @@ def optimize(
     nearest the search's choice are then timed whole and the choice made by their timed
     figures (:func:`_confirmed_by_timing`): an inference plan's limit is then a ratio to the
     model's own forward as timed, a training step's to the captured step as timed.
+    ``timed=False`` keeps the search's choice by its estimates.
 
     Before the search the captured step is checked against eager PyTorch on the example
     batch (:func:`~magis.backend.verify.verify_step`: the loss, every gradient and buffer
@@ -228,7 +230,8 @@ def optimize(
     graphs the search makes that were never timed are estimated from their kin
     (:class:`~magis.cost.latency.ProfiledCostModel`). The search stops at
     ``time_budget`` seconds or after ``max_states`` states (the bound that keeps it
-    deterministic: same inputs, seed and limits give the same plan); it runs with
+    deterministic: same inputs, seed, limits and operator timings give the same plan, and
+    with ``timed=False`` the same choice, which timing whole plans may change); it runs with
     torch's generator seeded with ``seed`` and leaves the caller's generator as it
     was; ``progress`` shows a bar with the best peak and latency so far and the states
     explored (``progress=False``: nothing is printed). A limit no plan meets raises
@@ -264,12 +267,9 @@ def optimize(
     no backward nothing is saved for one, so only what the forward itself reads twice can be
     recomputed. It takes no ``loss_fn``, ``training_step``, ``optimizer`` or ``max_grad_norm``.
     """
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile is True or False, got {compile!r}")
-    if not isinstance(inference, bool):
-        raise ValueError(f"inference is True or False, got {inference!r}")
-    if not isinstance(cuda_graphs, bool):
-        raise ValueError(f"cuda_graphs is True or False, got {cuda_graphs!r}")
+    for name, value in (("compile", compile), ("inference", inference), ("cuda_graphs", cuda_graphs), ("timed", timed)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} is True or False, got {value!r}")
     model = user_model(model)
     step = UserStep(loss_fn, training_step)  # bad input fails before the capture
     spec = BatchSpec.of(batch)
@@ -349,7 +349,8 @@ def optimize(
         step_output=captured.step_output,
         step_functions=(loss_fn, training_step),
     )
-    plan = _confirmed_by_timing(plan, result, batch, time_budget)
+    if timed:
+        plan = _confirmed_by_timing(plan, result, batch, time_budget)
     if not plan.objective.met_by(plan.search.best):  # the near miss goes with the error
         message = _infeasible(plan.objective, plan.peak_bytes, plan.latency_s, plan.baseline_latency_s, floor)
         raise InfeasibleLimit(message, best=plan)

@@ -190,6 +190,18 @@ def test_a_cpu_plan_is_timed_in_turns_with_the_captured_step(convnet, one_thread
     plan(*batch)  # runs
 
 
+def test_timed_false_keeps_the_searchs_choice_which_repeats(convnet, one_thread):
+    """``timed=False``: nothing is timed whole, and a search bounded by ``max_states`` on the
+    same operator timings chooses the same plan again (timing whole plans may not)."""
+    model, batch, loss_fn = convnet
+    options = dict(latency_limit=1.1, max_states=20, timed=False, progress=False)
+    plans = [magis.optimize(model, batch, loss_fn, **options) for _ in range(2)]
+    assert all(p.report().search["timed"] == {"plans": 0, "rounds": 0, "choice": ""} for p in plans)
+    assert plans[0].order == plans[1].order and plans[0].peak_bytes == plans[1].peak_bytes
+    with pytest.raises(ValueError, match="timed is True or False"):
+        magis.optimize(model, batch, loss_fn, timed="no", progress=False)
+
+
 def test_an_inference_plan_is_timed_as_its_user_calls_it_beside_the_eager_forward(convnet, one_thread):
     model, batch, _ = convnet
     model.eval()
