@@ -26,6 +26,8 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 #: the zoo's tiny workloads with batch norm before ReLU (ResNet-50, GoogLeNet) or ReLU6 (MobileNetV2)
 APPLIES = ["resnet50", "googlenet", "mobilenet-v2"]
+#: a repeatable search (its choice by the estimates, which take the rewrite on this net)
+ESTIMATED = {"latency_limit": 1.1, "max_states": 20, "timed": False}
 
 
 def order(graph):
@@ -158,7 +160,7 @@ def test_magis_planned_plans_again_when_the_weights_break_it(tmp_path):
     torch.manual_seed(0)
     model = ConvNet().double()
     reference = copy.deepcopy(model)
-    step = magis.planned(model, training_step=classify, latency_limit=1.1, max_states=20, timed=False, cache_dir=tmp_path)
+    step = magis.planned(model, training_step=classify, cache_dir=tmp_path, **ESTIMATED)
     x, y = batch()
     step(x, y)
     assert step.searches == 1 and step.plan_for(x, y).graph.signature.divided_by
@@ -175,6 +177,6 @@ def test_magis_planned_plans_again_when_the_weights_break_it(tmp_path):
     assert torch.allclose(model.bn1.weight.grad, reference.bn1.weight.grad, rtol=0, atol=1e-12)
     with warnings.catch_warnings():  # the plan written over the broken one is read as it is
         warnings.simplefilter("error")
-        again = magis.planned(model, training_step=classify, latency_limit=1.1, max_states=20, timed=False, cache_dir=tmp_path)
+        again = magis.planned(model, training_step=classify, cache_dir=tmp_path, **ESTIMATED)
         again(x, y)
     assert again.loaded == 1 and again.searches == 0
