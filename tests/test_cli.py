@@ -91,6 +91,13 @@ def test_optimize_json_has_the_documented_keys(capsys, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_optimize_on_this_cpu_times_its_choice_unless_told_not_to(capsys):
+    argv = ["optimize", "gpt-neo-1.3b", "--preset", "tiny", "--latency-limit", "1.1", "--max-states", "12", "--json"]
+    timed = run_json(capsys, *argv, "--time-budget", "20")["timed"]
+    assert timed["plans"] >= 1 and timed["rounds"] >= 1 and timed["choice"]
+    assert run_json(capsys, *argv, "--no-timed")["timed"] == {"plans": 0, "rounds": 0, "choice": ""}
+
+
 def test_optimize_plans_the_whole_step_with_an_optimizer(capsys):
     argv = ["optimize", "gpt-neo-1.3b", "--preset", "tiny", "--latency-limit", "1.1", "--device", "h200"]
     report = run_json(capsys, *argv, "--optimizer", "adamw", "--max-states", "20", "--time-budget", "20", "--json")

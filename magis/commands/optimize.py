@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the plan's segments of operators compiled by Inductor (optimize(compile=True))",
     )
+    parser.add_argument(
+        "--timed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a CPU, time the plans nearest the search's choice whole and choose by their timings "
+        "(optimize(timed=...); --no-timed: by the estimates, repeatable under --max-states; default: timed)",
+    )
     parser.add_argument("--run", action="store_true", help="run the plan and eager PyTorch, measure both")
     parser.add_argument("--plot", metavar="F.png", default=None, help="write the memory timelines to this PNG")
 
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=None if optimizer_class is None else optimizer_class(built.model.parameters()),
         max_grad_norm=args.max_grad_norm,
         compile=args.compile,
+        timed=args.timed,
     )
     details = plan.report()
     report: dict[str, Any] = {
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         "latency_ratio": details.latency_ratio,
         "search_seconds": details.search["seconds"],
         "states": details.search["states"],
+        "timed": details.search["timed"],
         "transformations": details.transformations,
         "verified": details.verified,
         "optimizer": details.optimizer,
