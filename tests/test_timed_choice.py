@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from magis.ir.graph import Graph
 from magis.models import WORKLOADS
 from magis.search.m_optimizer import Objective, m_optimize
 from magis.search.state import MState
-from magis.search.timed_choice import ROUNDS_ESTIMATED, contenders, timed_choice
+from magis.search.timed_choice import RELAX, ROUNDS_ESTIMATED, contenders, timed_choice
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,31 @@ def test_the_contenders_are_the_best_its_neighbours_and_the_captured_step(search
     assert states[1] is front[0]  # the lower peak just over the limit comes first
     assert front[2] in states
     assert len({id(s) for s in states}) == len(states)
+    reach = RELAX * objective.latency_s
+    within_reach = [s for s in front if s.peak_bytes < best.peak_bytes and s.latency_s <= reach]
+    fastest, lowest = min(front, key=lambda s: s.latency_s), min(within_reach, key=lambda s: s.peak_bytes)
+    assert fastest in states and lowest in states  # each side's far end: the most to gain, the likeliest to run within
+
+
+@dataclass(eq=False)
+class _Point:
+    """What :func:`contenders` reads of a state."""
+
+    peak_bytes: int
+    latency_s: float
+
+
+def test_each_side_is_its_nearest_its_farthest_then_the_next_nearest():
+    objective = Objective("latency", latency_s=1.0)
+    state = _Point
+
+    best = state(100, 1.0)
+    lower = [state(100 - k, 1.0 + 0.05 * k) for k in range(1, 7)]  # the last, 1.30, beyond RELAX's reach
+    higher = [state(100 + k, 1.0 - 0.01 * k) for k in range(1, 8)]
+    initial = state(200, 0.9)
+    states = contenders([*lower, best, *higher], best, initial, objective)
+    assert states[:4] == [best, lower[0], higher[0], initial]
+    assert states[4:] == [lower[4], higher[-1], lower[1], higher[1]]  # far ends, then the next nearest
 
 
 def test_times_as_estimated_confirm_the_best(searched):

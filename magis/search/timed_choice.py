@@ -56,14 +56,15 @@ class TimedChoice:
 def contenders(front: Sequence[MState], best: MState, initial: MState, objective: Objective) -> list[MState]:
     """The states worth timing, most worth it first: ``best``, its nearest neighbour on each
     side on the ``front`` (states no other beats in both peak and latency), ``initial`` (the
-    scheduled captured step, which meets any latency limit as timed but for noise), then the
-    next neighbours, up to :data:`NEAR` on each side.
+    scheduled captured step, which meets any latency limit as timed but for noise), then each
+    side's farthest and next nearest, up to :data:`NEAR` on each side.
 
     In latency mode the neighbours are the states of lower peak estimated over the limit by at
-    most :data:`RELAX` (nearest the limit first: the highest peaks below the best's) and those
-    of higher peak and lower latency, should the best run over the limit. In memory mode they
-    are the next fastest within the memory limit, since the fastest as estimated need not be
-    the fastest as timed.
+    most :data:`RELAX` (nearest the limit first: the highest peaks below the best's; the
+    farthest, the lowest peak within that reach, has the most to gain) and those of higher peak
+    and lower latency, should the best run over the limit (the farthest is the fastest on the
+    front, the likeliest to run within it). In memory mode they are the next fastest within the
+    memory limit, since the fastest as estimated need not be the fastest as timed.
     """
     by_peak = sorted(front, key=lambda s: (s.peak_bytes, s.latency_s))
     if objective.mode == "latency":
@@ -71,7 +72,7 @@ def contenders(front: Sequence[MState], best: MState, initial: MState, objective
         reach = RELAX * objective.latency_s
         lower = [s for s in reversed(by_peak) if s.peak_bytes < best.peak_bytes and s.latency_s <= reach]
         higher = [s for s in by_peak if s.peak_bytes > best.peak_bytes]
-        sides = [lower[:NEAR], higher[:NEAR]]
+        sides = [_nearest_and_farthest(lower), _nearest_and_farthest(higher)]
     else:
         assert objective.memory_bytes is not None
         within = sorted((s for s in front if s.peak_bytes <= objective.memory_bytes), key=lambda s: s.latency_s)
@@ -83,6 +84,12 @@ def contenders(front: Sequence[MState], best: MState, initial: MState, objective
         if all(state is not s for s in chosen):
             chosen.append(state)
     return chosen
+
+
+def _nearest_and_farthest(side: Sequence[MState]) -> list[MState]:
+    """Up to :data:`NEAR` of ``side`` (nearest the best first): its first, its last, then the
+    next nearest."""
+    return [*side[:1], *side[1:][-1:], *side[1:-1]][:NEAR]
 
 
 def timed_choice(
