@@ -103,7 +103,7 @@ def classify(model: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.T
 
 
 def plan_of(model: nn.Module):
-    return magis.optimize(model, batch(), training_step=classify, latency_limit=1.1, max_states=20, progress=False)
+    return magis.optimize(model, batch(), training_step=classify, progress=False, **ESTIMATED)
 
 
 def test_a_users_model_trains_through_it_as_eager_until_a_weight_breaks_it():
