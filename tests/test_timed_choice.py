@@ -91,12 +91,10 @@ class _Point:
 
 def test_each_side_is_its_nearest_its_farthest_then_the_next_nearest():
     objective = Objective("latency", latency_s=1.0)
-    state = _Point
-
-    best = state(100, 1.0)
-    lower = [state(100 - k, 1.0 + 0.05 * k) for k in range(1, 7)]  # the last, 1.30, beyond RELAX's reach
-    higher = [state(100 + k, 1.0 - 0.01 * k) for k in range(1, 8)]
-    initial = state(200, 0.9)
+    best = _Point(100, 1.0)
+    lower = [_Point(100 - k, 1.0 + 0.05 * k) for k in range(1, 7)]  # the last, 1.30, beyond RELAX's reach
+    higher = [_Point(100 + k, 1.0 - 0.01 * k) for k in range(1, 8)]
+    initial = _Point(200, 0.9)
     states = contenders([*lower, best, *higher], best, initial, objective)
     assert states[:4] == [best, lower[0], higher[0], initial]
     assert states[4:] == [lower[4], higher[-1], lower[1], higher[1]]  # far ends, then the next nearest

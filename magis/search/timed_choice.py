@@ -89,7 +89,9 @@ def contenders(front: Sequence[MState], best: MState, initial: MState, objective
 def _nearest_and_farthest(side: Sequence[MState]) -> list[MState]:
     """Up to :data:`NEAR` of ``side`` (nearest the best first): its first, its last, then the
     next nearest."""
-    return [*side[:1], *side[1:][-1:], *side[1:-1]][:NEAR]
+    if len(side) < 3:
+        return list(side)
+    return [side[0], side[-1], *side[1:-1]][:NEAR]
 
 
 def timed_choice(
