@@ -217,7 +217,10 @@ def optimize(
     nearest the search's choice are then timed whole and the choice made by their timed
     figures (:func:`_confirmed_by_timing`): an inference plan's limit is then a ratio to the
     model's own forward as timed, a training step's to the captured step as timed.
-    ``timed=False`` keeps the search's choice by its estimates.
+    ``timed=False`` keeps the search's choice by its estimates. Compiled (``compile=True``), each
+    segment is timed against its ops where the step runs, at the first call (before the step,
+    on random inputs of its shapes), and stays compiled only where faster; ``timed=False``
+    compiles every segment.
 
     Before the search the captured step is checked against eager PyTorch on the example
     batch (:func:`~magis.backend.verify.verify_step`: the loss, every gradient and buffer
@@ -344,6 +347,7 @@ def optimize(
         max_grad_norm=max_grad_norm,
         runtime="compiled" if compile else "generated",
         cuda_graphs=cuda_graphs,
+        timed=timed,
         output_spec=captured.output_spec,
         output_nones=captured.output_nones,
         step_output=captured.step_output,

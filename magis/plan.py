@@ -34,7 +34,7 @@ inference plan's (called as its user calls it) beside the model's own forward.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -44,13 +44,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from magis.backend.codegen import GeneratedStep, generate
-from magis.backend.compiled import compiled_segments
+from magis.backend.compiled import CompiledSegment, compiled_segments
 from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
 from magis.backend.runtime import RUNTIMES, ModuleInputs, Runtime, StepRunner, run_program
 from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
+from magis.cost.op_keys import NodeStrides, replay_strides
+from magis.cost.op_timing import random_tensor
 from magis.frontend.capture import same_generator_named
 from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off
 from magis.frontend.grad_seed import seeded
@@ -146,6 +148,8 @@ class Plan:
     max_grad_norm: float | None = None  # clipping before the update
     runtime: PlanRuntime = "generated"  # how the step runs: one of PLAN_RUNTIMES
     cuda_graphs: bool = True  # on CUDA, replay the step as a CUDA graph (magis.backend.cuda_graph)
+    #: compiled, keep a segment compiled only where it runs faster than its ops (timed when first called)
+    timed: bool = True
     output_spec: pytree.TreeSpec | None = field(default=None, repr=False)  # an inference plan's output structure
     output_nones: tuple[int, ...] = field(default=(), repr=False)  # where its leaves are None
     step_output: StepOutput = field(default_factory=StepOutput, repr=False)  # what the training step returns
@@ -175,8 +179,10 @@ class Plan:
     @cached_property
     def compiled(self) -> GeneratedStep:
         """The generated step with its maximal segments of aten ops compiled by Inductor
-        (:mod:`magis.backend.compiled`; each segment compiles on its first call)."""
-        return generated_step(self.program, compile=True)
+        (:mod:`magis.backend.compiled`); with :attr:`timed`, each compiled and timed against its
+        ops here and now, kept where faster (else each compiles on its first call)."""
+        device = torch.device("cuda" if self.on_cuda else "cpu")
+        return generated_step(self.program, compile=True, timed_on=device if self.timed else None)
 
     def __call__(self, *batch: Any, grad_scale: float | torch.Tensor | torch.amp.GradScaler | None = None) -> Any:
         """One training step on ``batch``, given as to :func:`magis.optimize`: the loss (module
@@ -340,9 +346,7 @@ class Plan:
             summary["compiled_ops"] = sum(s.ops for s in segments)
             summary["ops"] = len(self.program.instructions)
             summary["fallbacks"] = [
-                {"first_op": self.program.instructions[s.start].node, "reason": s.fallback}
-                for s in segments
-                if s.fallback is not None
+                {"first_op": s.first_op, "reason": s.fallback} for s in segments if s.fallback is not None
             ]
         replayed = self._replayed.get(self.runtime)
         if replayed is not None:
@@ -386,14 +390,40 @@ class Plan:
         return path
 
 
-def generated_step(program: Program, compile: bool = False) -> GeneratedStep:
+def generated_step(program: Program, compile: bool = False, timed_on: torch.device | None = None) -> GeneratedStep:
     """``program`` as generated code (:mod:`magis.backend.codegen`); with ``compile``, its maximal
     segments of aten ops compiled (:func:`magis.backend.compiled.compiled_segments`, which ends
-    a segment where the simulated memory peaks)."""
+    a segment where the simulated memory peaks), the step's and each region part's. With
+    ``timed_on`` (the device the step runs on) each segment is compiled now and kept only
+    where it runs faster than its ops (:meth:`~magis.backend.compiled.CompiledSegment.faster_compiled`,
+    on random inputs of its shapes); the others run as generated code."""
     if not compile:
         return generate(program)
-    live = simulate_memory(program.graph, program.order).timeline
-    return generate(program, segments=compiled_segments(program, live))
+
+    def segments(part: Program, ends: frozenset[str]) -> tuple[CompiledSegment, ...]:
+        found = compiled_segments(part, simulate_memory(part.graph, part.order).timeline, ends)
+        if timed_on is None:
+            return found
+        strides = replay_strides(part.graph)
+        return tuple(s for s in found if s.faster_compiled(_random_inputs(part.graph, s.inputs, strides, timed_on)))
+
+    return generate(program, segments=segments)
+
+
+def _random_inputs(
+    graph: Graph, names: Sequence[str], strides: dict[str, NodeStrides], device: torch.device
+) -> list[Any]:
+    """Random tensors shaped and laid out as the values ``names`` of ``graph`` (a tuple for a
+    tuple-valued op), as :func:`~magis.cost.op_timing.random_tensor` makes them."""
+    values: list[Any] = []
+    for name in names:
+        node = graph[name]
+        made = [
+            None if meta is None else random_tensor(meta, stride, device)
+            for meta, stride in zip(node.outputs, strides[name])
+        ]
+        values.append(tuple(made) if node.tuple_output else made[0])
+    return values
 
 
 #: what a plan file holds: every field but the model and optimizer (the caller's), the cost model (made
@@ -401,7 +431,7 @@ def generated_step(program: Program, compile: bool = False) -> GeneratedStep:
 _SAVED_FIELDS = tuple(
     f.name
     for f in fields(Plan)
-    if f.name not in ("model", "cost_model", "optimizer", "runtime", "cuda_graphs", "step_functions")
+    if f.name not in ("model", "cost_model", "optimizer", "runtime", "cuda_graphs", "timed", "step_functions")
 )
 
 

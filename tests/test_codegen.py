@@ -8,7 +8,7 @@ workload's plan gives eager's loss and gradients in every runtime, within its li
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ import magis
 from magis.analysis.ftrans import FTrans
 from magis.analysis.ftree import build_ftree, next_divisor
 from magis.backend.codegen import GeneratedStep, generate
+from magis.backend.compiled import Trial
 from magis.backend.eager import (
     GRADIENT_TOLERANCE,
     buffers_snapshot,
@@ -121,15 +122,21 @@ def test_a_fissioned_region_becomes_a_loop_over_its_parts(tower):
     split = fission(graph, FTrans(candidate.axes, parts))
     (region,) = [n for n in split.nodes if isinstance(n.target, FissionRegion)]
     steps = runs_like_eager(model, batch, split, tuple(n.name for n in split.nodes))
+    part_ops = {n.name for n in region.target.graph.nodes if not n.is_input and n.op_name.startswith("aten.")}
     for source in (steps.generated.source, steps.compiled.source):  # the region's loop stays when compiled
         loop = re.search(rf"^(\s+)for k\w* in range\({parts}\):$", source, re.MULTILINE)
         assert loop, source
         body = source[loop.end() :].split("\n" + loop.group(1) + region.name)[0]
-        # every op of one part runs inside the loop, each part's piece is put in place there
+        # every op of one part runs inside the loop, generated or in a compiled segment called
+        # there (each part's segments are its own), and each part's piece is put in place there
+        step = steps.compiled if source is steps.compiled.source else steps.generated
+        called = [step.function.__globals__[name] for name in re.findall(r"\b(_segment\d+)\(", body)]
+        in_segments = {n.name for s in called for n in s.module.graph.nodes if n.op == "call_function"}
         for node in region.target.graph.nodes:
-            if not node.is_input and node.op_name.startswith("aten."):
+            if node.name in part_ops and node.name not in in_segments:
                 assert node.op_name in body, node.op_name
         assert ".copy_(" in body
+    assert in_segments & part_ops, "one part's ops are compiled"
 
 
 def test_a_swap_becomes_its_two_transfers(tower):
@@ -261,3 +268,37 @@ def test_the_fusion_model_makes_recomputing_pointwise_ops_nearly_free(tower):
             for model in (plain, fused)
         }
         assert extra[fused] < 0.5 * extra[plain], (candidate.description, extra)
+
+
+def test_a_timed_compiled_step_keeps_a_segment_compiled_only_where_its_trial_wins(tower):
+    """``timed_on``: each segment compiled and run both ways on random inputs of its shapes; it
+    stays compiled only where faster and holding no more memory, the others run as generated
+    ops; the step still gives eager's gradients."""
+    model, batch, graph = tower
+    order = tuple(n.name for n in graph.nodes)
+    program = lower(graph, order)
+    every = generated_step(program, compile=True)
+    timed = generated_step(program, compile=True, timed_on=torch.device("cpu"))
+    assert every.segments and all(s.trial is None for s in every.segments)
+    kept = {s.start for s in timed.segments}
+    assert kept <= {s.start for s in every.segments}
+    assert all(s.trial is not None and s.trial.compiled_wins for s in timed.segments)
+    for segment in every.segments:
+        if segment.start not in kept:  # its ops are generated code again
+            for ins in program.instructions[segment.start : segment.stop]:
+                assert re.search(rf"^\s+\w+ = .*\b{re.escape(str(ins.fn))}\(", timed.source, re.MULTILINE) or (
+                    str(ins.fn) == "<built-in function getitem>"
+                ), ins.node
+    result = run_program(program, model, batch, runtime=timed)
+    reference = eager_step(model, batch, mse)
+    comparison = compare_gradients(reference.gradients, result.gradients)
+    assert comparison.same_names and comparison.max_error < 1e-10, comparison
+
+
+def test_a_trial_keeps_the_compiled_segment_only_where_it_wins_on_time_and_memory():
+    faster = Trial(compiled_s=1.0, ops_s=2.0, compiled_peak=10, ops_peak=10, compiled_held=5, ops_held=5)
+    assert faster.compiled_wins
+    assert not replace(faster, compiled_s=2.0).compiled_wins  # a tie keeps eager's kernels
+    assert not replace(faster, compiled_peak=11).compiled_wins
+    assert not replace(faster, compiled_held=6).compiled_wins  # an output viewing a larger buffer
+    assert not replace(faster, same_layouts=False).compiled_wins  # the ops after it would read other layouts

@@ -75,6 +75,11 @@ class Segment(Protocol):
     def __call__(self, args: list[Any]) -> tuple[Any, ...]: ...
 
 
+#: the segments of a program (the step's, or one part's of a region), each ending at the latest
+#: at any of the named values (a part's outputs, put in place as soon as they are made)
+SegmentsOf = Callable[[Program, frozenset[str]], Sequence[Segment]]
+
+
 @dataclass(frozen=True)
 class GeneratedStep:
     """A program's generated function; ``source`` is its Python text (readable, one line per op)."""
@@ -82,7 +87,7 @@ class GeneratedStep:
     program: Program = field(repr=False)
     source: str = field(repr=False)
     function: Callable[[dict[str, Any], Any], None] = field(repr=False)
-    segments: tuple[Segment, ...] = ()  # called in place of their instructions
+    segments: tuple[Segment, ...] = ()  # called in place of their instructions, the regions' parts' included
 
     def __call__(self, env: dict[str, Any]) -> dict[str, Any]:
         """Run the step on the bound inputs in ``env``; the graph's outputs are added to it."""
@@ -92,16 +97,17 @@ class GeneratedStep:
         return env
 
 
-def generate(program: Program, name: str = "step", segments: Sequence[Segment] = ()) -> GeneratedStep:
-    """The program as one compiled Python function (module docstring); each of ``segments``
-    (:mod:`magis.backend.compiled`) is called in place of its instructions."""
-    writer = _Writer()
+def generate(program: Program, name: str = "step", segments: SegmentsOf | None = None) -> GeneratedStep:
+    """The program as one compiled Python function (module docstring); ``segments`` gives the
+    segments (:mod:`magis.backend.compiled`) of the step's program and of each region's part,
+    each called in place of its instructions."""
+    writer = _Writer(segments_of=segments)
     graph = program.graph
     body = _Block(writer, indent=1)
     local = {n: writer.variable(n) for n in graph.inputs}
     for n in graph.inputs:
         body.line(f"{local[n]} = env[{n!r}]")
-    body.instructions(program.instructions, local, segments={s.start: s for s in segments})
+    body.instructions(program.instructions, local, segments=writer.segments(program, frozenset()))
     for n in graph.outputs:
         if n not in graph.inputs:
             body.line(f"env[{n!r}] = {local[n]}")
@@ -111,7 +117,7 @@ def generate(program: Program, name: str = "step", segments: Sequence[Segment] =
     source = f"def {name}(env, streams):\n" + "\n".join(body.lines) + "\n"
     namespace = dict(writer.globals)
     exec(compile(source, f"<magis generated {name}>", "exec"), namespace)
-    return GeneratedStep(program, source, namespace[name], tuple(segments))
+    return GeneratedStep(program, source, namespace[name], tuple(writer.made_segments))
 
 
 @dataclass
@@ -119,9 +125,17 @@ class _Writer:
     """The names the generated source uses: one Python variable per value (unique across
     the nested parts of regions) and the globals it reads (ops, constants, regions)."""
 
+    segments_of: SegmentsOf | None = None
     globals: dict[str, Any] = field(default_factory=lambda: {"aten": torch.ops.aten, "torch": torch})
     taken: set[str] = field(default_factory=lambda: {"env", "streams", "aten", "torch", *dir(builtins)})
+    made_segments: list[Segment] = field(default_factory=list)
     _global_ids: dict[int, str] = field(default_factory=dict)
+
+    def segments(self, program: Program, ends: frozenset[str]) -> dict[int, Segment]:
+        """``program``'s segments by their first instruction (none without :attr:`segments_of`)."""
+        found = self.segments_of(program, ends) if self.segments_of is not None else ()
+        self.made_segments += found
+        return {s.start: s for s in found}
 
     def variable(self, node: str) -> str:
         """A fresh variable named after ``node`` where its name is a Python identifier."""
@@ -195,7 +209,7 @@ class _Block:
                 continue
             if segments and i in segments:
                 skip_to = segments[i].stop
-                self.segment(segments[i], local, _waits(instructions[i:skip_to]))
+                self.segment(segments[i], local, instructions[i:skip_to], merge)
                 continue
             var = local[ins.node] = w.variable(ins.node)
             if isinstance(ins.fn, PartLoop):
@@ -212,11 +226,14 @@ class _Block:
             if ins.free:
                 self.line(f"del {', '.join(local.pop(n) for n in ins.free)}")
 
-    def segment(self, segment: Segment, local: dict[str, str], waits: tuple[str, ...]) -> None:
-        """``outputs = segment([inputs])``, the inputs that die inside it dropped before the call;
-        on CUDA the compute stream first waits for the copies of the Loads its ops read
-        (``waits``): their kernels run inside the compiled call, where no instruction waits."""
+    def segment(self, segment: Segment, local: dict[str, str], body: Sequence[Instruction], merge: Any) -> None:
+        """``outputs = segment([inputs])`` in place of the instructions ``body``, the inputs that die
+        inside it dropped before the call; on CUDA the compute stream first waits for the copies
+        of the Loads its ops read: their kernels run inside the compiled call, where no
+        instruction waits. A part's output leaves the segment that makes it last (its
+        ``ends``), is put in place by ``merge``, and dies there if it was to die inside."""
         w = self.writer
+        waits = _waits(body)
         if waits:
             self.line(f"if streams is not None: streams.wait_for({waits!r})")
         args = w.variable("args")
@@ -227,6 +244,12 @@ class _Block:
         call = f"{w.constant(segment, '_segment')}({args})"
         self.line(f"({', '.join(outputs)},) = {call}" if outputs else call)
         self.line(f"del {args}")
+        if merge is not None:
+            for name in segment.outputs:
+                merge(name, local[name])
+        dying = [name for ins in body for name in ins.free if name in segment.outputs]
+        if dying:
+            self.line(f"del {', '.join(local.pop(n) for n in dying)}")
 
     def call(self, ins: Instruction, local: dict[str, str]) -> str:
         w = self.writer
@@ -275,7 +298,7 @@ class _Block:
 
         for name in program.graph.inputs:  # an input passed through as an output
             merge(name, inner[name])
-        part.instructions(program.instructions, inner, merge)
+        part.instructions(program.instructions, inner, merge, w.segments(program, frozenset(region.part_outputs)))
         part.line(f"del {', '.join(inner[n] for n in program.graph.inputs)}")  # the part's views die here
         self.lines += part.lines
         self.line(f"{var} = ({', '.join(results)},)")

@@ -7,9 +7,13 @@ of consecutive instructions that a compiler may fuse without undoing those decis
 
 - only functional aten ops (and ``getitem``) join a segment; a region, a transfer, an
   optimizer's update, an op that writes in place or draws random numbers (its mask must
-  be eager's) ends it and runs as generated code;
-- a segment ends where the plan's memory peaks (:data:`PEAK_SHARE`): Inductor orders
-  the kernels of a segment itself, and a peak is where an order change costs memory;
+  be eager's) ends it and runs as generated code; a region's loop stays a loop, and the
+  program of one part has segments of its own, called once per part (the parts have one
+  shape), each ending at a part's output, which is put in place as soon as it is made;
+- the instructions where the plan's memory is near its peak (:data:`PEAK_SHARE`) join
+  no segment: Inductor orders the kernels of a segment itself and may hold a result a
+  little longer than the plan's ops do (tiny U-Net on CPU: 4.6% of the peak, at a chain
+  of convolution backwards), and near a peak that is over the limit;
 - a recomputed copy of an op starts a new segment: Inductor would merge it with the
   original (common subexpressions) and keep the tensor the plan recomputes to free;
 - a segment of fewer than :data:`MIN_SEGMENT_OPS` ops is not worth a compiled call.
@@ -17,7 +21,13 @@ of consecutive instructions that a compiler may fuse without undoing those decis
 Each :class:`CompiledSegment` is an fx graph of its ops (inputs: the values made
 before it; outputs: the values read after it), compiled with
 ``torch._inductor.compile`` on its first call (the plan's shapes are static), with
-``fallback_random`` so any random op kept inside draws as eager does. It takes its
+``fallback_random`` so any random op kept inside draws as eager does, and without
+Inductor's layout optimization: that lays convolutions out channels-last inside the
+segment (copies the simulator does not count) and hands their results on so, to ops
+timed on eager's layouts (on this CPU, with it, ResNet-50 small's compiled backward ran
+11% slower than its ops as they are; without it, 3% faster). A segment may first be
+tried (:meth:`CompiledSegment.faster_compiled`, a :class:`Trial`) and kept compiled only
+where it wins on time without holding more memory. It takes its
 inputs as one list, which the compiled code empties and then frees each input after
 its last reader (Inductor's boxed calling convention, asked for by the fx graph's one
 boxed placeholder, :func:`magis.ir.fx.fx_module`), so a value whose last use is inside
@@ -27,20 +37,25 @@ its instructions.
 
 from __future__ import annotations
 
+import math
 import operator
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
+from magis.backend.meter import CudaPeakMeter, LiveTensorMeter
 from magis.backend.program import Instruction, Program
 from magis.ir.fx import fx_module
 from magis.ir.graph import Graph, Ref
 
-#: a segment ends after an instruction where the plan's live memory is within this share of its peak
-PEAK_SHARE = 0.97
+#: an instruction after which the plan's live memory is at least this share of its peak joins no segment
+PEAK_SHARE = 0.9
 #: fewest aten ops worth a compiled call
 MIN_SEGMENT_OPS = 3
 _VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default}
@@ -56,6 +71,73 @@ def compilable(ins: Instruction) -> bool:
     return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in ins.fn.tags
 
 
+#: rounds of a :class:`Trial`, each timing the segment both ways once
+TIMING_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A segment run compiled and as its ops on the same inputs: the fastest seconds of
+    :data:`TIMING_ROUNDS` each, timed in turns, and the peak bytes each allocates above its
+    inputs (:class:`~magis.backend.meter.LiveTensorMeter` on CPU, which sees the tensors
+    Inductor's code makes through the dispatcher, not its own buffers; exact on CUDA), and
+    the bytes its outputs hold once it returns."""
+
+    compiled_s: float
+    ops_s: float
+    compiled_peak: int
+    ops_peak: int
+    compiled_held: int  # bytes of the storages its outputs keep (a view keeps its whole buffer)
+    ops_held: int
+    #: whether its outputs come out laid out as its ops lay them out: the ops after it were timed
+    #: on those (Inductor's layout optimization hands convolutions' results on channels-last)
+    same_layouts: bool = True
+
+    @property
+    def compiled_wins(self) -> bool:
+        """Faster compiled, holding no more memory while it runs nor after, its results laid out
+        as the ops lay them out."""
+        return (
+            self.same_layouts
+            and self.compiled_s < self.ops_s
+            and self.compiled_peak <= self.ops_peak
+            and self.compiled_held <= self.ops_held
+        )
+
+    @staticmethod
+    def of(compiled: Callable[[list[Any]], Any], ops: Callable[[list[Any]], Any], args: Sequence[Any]) -> Trial:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        seconds = {compiled: math.inf, ops: math.inf}
+        for _ in range(TIMING_ROUNDS):
+            for run in seconds:
+                if device is not None:
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                run(list(args))
+                if device is not None:
+                    torch.cuda.synchronize(device)
+                seconds[run] = min(seconds[run], time.perf_counter() - start)
+        peaks, held, layouts = {}, {}, {}
+        for run in seconds:
+            with CudaPeakMeter(device) if device is not None else LiveTensorMeter() as meter:
+                outputs = run(list(args))
+            peaks[run] = meter.peak_bytes
+            tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+            storages = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+            held[run] = int(sum(storages.values()))
+            layouts[run] = [t.stride() for t in tensors]
+            del outputs, tensors
+        return Trial(
+            seconds[compiled],
+            seconds[ops],
+            peaks[compiled],
+            peaks[ops],
+            held[compiled],
+            held[ops],
+            layouts[compiled] == layouts[ops],
+        )
+
+
 @dataclass(eq=False)
 class CompiledSegment:
     """Instructions ``start..stop`` of a program as one compiled call (module docstring).
@@ -69,6 +151,7 @@ class CompiledSegment:
     inputs: tuple[str, ...]
     dying: tuple[str, ...]
     outputs: tuple[str, ...]
+    first_op: str  # the node of its first instruction (where a report points)
     module: torch.fx.GraphModule = field(repr=False)
     #: per output, None for a tensor, else the elements of a tuple-valued op: the index of each
     #: in the module's flat outputs, None for a missing optional one (Inductor returns tensors)
@@ -76,6 +159,8 @@ class CompiledSegment:
     compiled: Any = field(default=None, repr=False)
     #: why Inductor could not compile it (it then runs its ops as they are), or None
     fallback: str | None = None
+    #: how it ran compiled and as its ops, where :meth:`faster_compiled` tried it
+    trial: Trial | None = None
 
     @property
     def ops(self) -> int:
@@ -95,6 +180,19 @@ class CompiledSegment:
             for at, elements in zip(self._positions, self.layout)
         )
 
+    def faster_compiled(self, args: Sequence[Any]) -> bool:
+        """Whether the segment, compiled, runs faster than its ops run as they are and holds no
+        more memory than they do (:class:`Trial`, on ``args``: inputs like its own, left as
+        they are); one Inductor cannot compile is not. The trial is compiled for ``args``'
+        layouts; the segment itself still compiles on its first call, for its inputs'
+        (Inductor's cache makes that quick where they agree)."""
+        try:
+            compiled = _inductor_compile(self.module, list(args))
+        except Exception:  # as __call__ would fall back: the ops run as they are
+            return False
+        self.trial = Trial.of(compiled, self.module, args)
+        return self.trial.compiled_wins
+
     @cached_property
     def _positions(self) -> tuple[int, ...]:
         """Where each output starts in the module's flat outputs."""
@@ -105,21 +203,24 @@ class CompiledSegment:
         return tuple(starts)
 
 
-def compiled_segments(program: Program, live: Sequence[int]) -> tuple[CompiledSegment, ...]:
+def compiled_segments(
+    program: Program, live: Sequence[int], ends: Collection[str] = frozenset()
+) -> tuple[CompiledSegment, ...]:
     """The program's maximal compilable runs (module docstring), each as an fx graph not yet
     compiled; ``live`` is the simulated live memory after each node of ``program.order``
-    (:func:`magis.cost.memory.simulate_memory`'s timeline)."""
+    (:func:`magis.cost.memory.simulate_memory`'s timeline); a run ends at each of ``ends`` (a
+    region part's outputs), which it returns whether or not anything reads them later."""
     segments = []
-    for begin, end in _runs(program, live):
+    for begin, end in _runs(program, live, ends):
         body = program.instructions[begin:end]
         if sum(ins.fn is not operator.getitem for ins in body) >= MIN_SEGMENT_OPS:
-            segments.append(_segment(program.graph, body, begin, end))
+            segments.append(_segment(program.graph, body, begin, end, ends))
     return tuple(segments)
 
 
-def _runs(program: Program, live: Sequence[int]) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each run of compilable instructions, cut at the peaks and before a
-    recomputed copy of an op of the same run (module docstring)."""
+def _runs(program: Program, live: Sequence[int], ends: Collection[str]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of compilable instructions away from the peaks, cut after
+    each of ``ends`` and before a recomputed copy of an op of the same run (module docstring)."""
     position = {name: i for i, name in enumerate(program.order)}
     peak = max(live, default=0)
     runs: list[tuple[int, int]] = []
@@ -134,29 +235,30 @@ def _runs(program: Program, live: Sequence[int]) -> list[tuple[int, int]]:
         seen.clear()
 
     for i, ins in enumerate(program.instructions):
-        if not compilable(ins):
-            close(i)
+        if not compilable(ins) or live[position[ins.node]] >= PEAK_SHARE * peak:
+            close(i)  # runs as generated code
             continue
         call = repr((ins.fn, ins.args, ins.kwargs))
         if call in seen:  # a recomputed copy of an op of this run: Inductor would merge the two
             close(i)
         start = i if start is None else start
         seen.add(call)
-        if live[position[ins.node]] >= PEAK_SHARE * peak:
-            close(i + 1)  # the peak instruction ends its segment
+        if ins.node in ends:
+            close(i + 1)  # a part's output ends its segment
     close(len(program.instructions))
     return runs
 
 
-def _segment(graph: Graph, body: Sequence[Instruction], begin: int, end: int) -> CompiledSegment:
+def _segment(graph: Graph, body: Sequence[Instruction], begin: int, end: int, ends: Collection[str]) -> CompiledSegment:
     """Instructions ``begin..end`` (``body``) as one segment: what it reads from before it, which
-    of those die inside, what it makes that lives on; a tuple-valued output leaves the fx graph
-    element by element (Inductor returns tensors) and is put back together by :attr:`layout`."""
+    of those die inside, what it makes that lives on or is one of ``ends``; a tuple-valued output
+    leaves the fx graph element by element (Inductor returns tensors) and is put back together
+    by :attr:`layout`."""
     made = {ins.node for ins in body}
     freed = {name for ins in body for name in ins.free}  # what dies inside (program.lower's frees)
     inputs = tuple(dict.fromkeys(r for ins in body for r in graph[ins.node].inputs if r not in made))
     dying = tuple(name for name in inputs if name in freed)
-    outputs = tuple(ins.node for ins in body if ins.node not in freed)
+    outputs = tuple(ins.node for ins in body if ins.node not in freed or ins.node in ends)
     # Inductor's decompositions may lay an intermediate out otherwise than eager did, where a
     # view of it fails: a reshape is that view wherever the view is valid, a copy elsewhere
     calls = [(ins.node, _VIEW_AS_RESHAPE.get(ins.fn, ins.fn), ins.args, ins.kwargs) for ins in body]
@@ -175,11 +277,13 @@ def _segment(graph: Graph, body: Sequence[Instruction], begin: int, end: int) ->
                 flat.append(f"{name}__{j}")
         layout.append(tuple(elements))
     module = fx_module(calls, inputs, flat, boxed=True)
-    return CompiledSegment(begin, end, inputs, dying, outputs, module, tuple(layout))
+    return CompiledSegment(begin, end, inputs, dying, outputs, body[0].node, module, tuple(layout))
 
 
 def _inductor_compile(module: torch.fx.GraphModule, example: list[Any]) -> Any:
     """``module`` compiled by Inductor for inputs like ``example``; random ops as eager draws them."""
     import torch._inductor  # imported on first use: loading Inductor takes seconds
 
-    return torch._inductor.compile(module, [list(example)], options={"fallback_random": True})
+    return torch._inductor.compile(
+        module, [list(example)], options={"fallback_random": True, "layout_optimization": False}
+    )
