@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,7 +52,7 @@ from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.cost.op_keys import NodeStrides, replay_strides
-from magis.cost.op_timing import random_tensor
+from magis.cost.op_timing import random_tensor, time_calls
 from magis.frontend.capture import same_generator_named
 from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off
 from magis.frontend.grad_seed import seeded
@@ -390,6 +390,10 @@ class Plan:
         return path
 
 
+#: rounds of a compiled segment's trial against its ops (:class:`~magis.backend.compiled.Trial`)
+TRIAL_ROUNDS = 3
+
+
 def generated_step(program: Program, compile: bool = False, timed_on: torch.device | None = None) -> GeneratedStep:
     """``program`` as generated code (:mod:`magis.backend.codegen`); with ``compile``, its maximal
     segments of aten ops compiled (:func:`magis.backend.compiled.compiled_segments`, which ends
@@ -405,7 +409,9 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
         if timed_on is None:
             return found
         strides = replay_strides(part.graph)
-        return tuple(s for s in found if s.faster_compiled(_random_inputs(part.graph, s.inputs, strides, timed_on)))
+        timer = partial(time_calls, device=timed_on, repeats=TRIAL_ROUNDS)
+        trials = ((s, _random_inputs(part.graph, s.inputs, strides, timed_on)) for s in found)
+        return tuple(s for s, inputs in trials if s.faster_compiled(inputs, timer))
 
     return generate(program, segments=segments)
 

@@ -37,9 +37,7 @@ its instructions.
 
 from __future__ import annotations
 
-import math
 import operator
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -71,14 +69,14 @@ def compilable(ins: Instruction) -> bool:
     return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in ins.fn.tags
 
 
-#: rounds of a :class:`Trial`, each timing the segment both ways once
-TIMING_ROUNDS = 3
+#: times functions in turns: the fastest seconds of each (:func:`magis.cost.op_timing.time_calls`)
+Timer = Callable[[Sequence[Callable[[], Any]]], Sequence[float]]
 
 
 @dataclass(frozen=True)
 class Trial:
-    """A segment run compiled and as its ops on the same inputs: the fastest seconds of
-    :data:`TIMING_ROUNDS` each, timed in turns, and the peak bytes each allocates above its
+    """A segment run compiled and as its ops on the same inputs: the fastest seconds of each,
+    timed in turns by a :data:`Timer`, and the peak bytes each allocates above its
     inputs (:class:`~magis.backend.meter.LiveTensorMeter` on CPU, which sees the tensors
     Inductor's code makes through the dispatcher, not its own buffers; exact on CUDA), and
     the bytes its outputs hold once it returns."""
@@ -105,18 +103,12 @@ class Trial:
         )
 
     @staticmethod
-    def of(compiled: Callable[[list[Any]], Any], ops: Callable[[list[Any]], Any], args: Sequence[Any]) -> Trial:
+    def of(
+        compiled: Callable[[list[Any]], Any], ops: Callable[[list[Any]], Any], args: Sequence[Any], timer: Timer
+    ) -> Trial:
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-        seconds = {compiled: math.inf, ops: math.inf}
-        for _ in range(TIMING_ROUNDS):
-            for run in seconds:
-                if device is not None:
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                run(list(args))
-                if device is not None:
-                    torch.cuda.synchronize(device)
-                seconds[run] = min(seconds[run], time.perf_counter() - start)
+        compiled_s, ops_s = timer([lambda: compiled(list(args)), lambda: ops(list(args))])
+        seconds = {compiled: compiled_s, ops: ops_s}
         peaks, held, layouts = {}, {}, {}
         for run in seconds:
             with CudaPeakMeter(device) if device is not None else LiveTensorMeter() as meter:
@@ -180,7 +172,7 @@ class CompiledSegment:
             for at, elements in zip(self._positions, self.layout)
         )
 
-    def faster_compiled(self, args: Sequence[Any]) -> bool:
+    def faster_compiled(self, args: Sequence[Any], timer: Timer) -> bool:
         """Whether the segment, compiled, runs faster than its ops run as they are and holds no
         more memory than they do (:class:`Trial`, on ``args``: inputs like its own, left as
         they are); one Inductor cannot compile is not. The trial is compiled for ``args``'
@@ -190,7 +182,7 @@ class CompiledSegment:
             compiled = _inductor_compile(self.module, list(args))
         except Exception:  # as __call__ would fall back: the ops run as they are
             return False
-        self.trial = Trial.of(compiled, self.module, args)
+        self.trial = Trial.of(compiled, self.module, args, timer)
         return self.trial.compiled_wins
 
     @cached_property
