@@ -114,6 +114,21 @@ class Steps:
         return {n.name for s in self.compiled.segments for n in s.module.graph.nodes if n.op == "call_function"}
 
 
+def test_a_compiled_steps_first_call_measures_as_its_later_ones(tower):
+    """Inductor compiles each segment on the step's first call, on fake tensors: the live-tensor
+    meter counts no memory for them (it did: GPT-Neo small's first compiled step measured 2.3
+    times eager's peak, its second 0.78)."""
+    model, batch, graph = tower
+    program = lower(graph, tuple(n.name for n in graph.nodes))
+    step = generated_step(program, compile=True)
+    peaks = []
+    for _ in range(2):
+        with LiveTensorMeter(resident_tensors(model, batch)) as meter:
+            run_program(program, model, batch, runtime=step)
+        peaks.append(meter.peak_bytes)
+    assert step.segments and peaks[0] == peaks[1], peaks
+
+
 def test_a_fissioned_region_becomes_a_loop_over_its_parts(tower):
     model, batch, graph = tower
     tree = build_ftree(graph, simulate_memory(graph, [n.name for n in graph.nodes]))

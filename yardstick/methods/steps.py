@@ -43,9 +43,16 @@ def runtime_runnable(
     subject: Subject, order: Sequence[str], graph: Graph | None = None, runtime: PlanRuntime = "generated"
 ) -> Runnable:
     """``graph`` (default: the captured one) run by the magis runtime in ``order``, as ``runtime``
-    runs a plan (:data:`magis.plan.PLAN_RUNTIMES`: generated code by default)."""
+    runs a plan (:data:`magis.plan.PLAN_RUNTIMES`: generated code by default); compiled as
+    ``magis.optimize(..., compile=True)`` compiles it, each segment kept compiled only where its
+    trial on the subject's device wins (``Plan.timed``, the default)."""
     program = lower(subject.graph if graph is None else graph, order)
-    run = "interpreted" if runtime == "interpreted" else generated_step(program, compile=runtime == "compiled")
+    device = next(p.device for p in subject.built.model.parameters())
+    run = (
+        "interpreted"
+        if runtime == "interpreted"
+        else generated_step(program, compile=runtime == "compiled", timed_on=device)
+    )
     if runtime == "compiled":  # compile now: what the compiler holds while it works is not the step's memory
         with torch.random.fork_rng():
             run_program(program, subject.built.model, subject.inputs, apply_buffer_updates=False, runtime=run)
