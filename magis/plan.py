@@ -408,7 +408,7 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
         found = compiled_segments(part, simulate_memory(part.graph, part.order).timeline, ends)
         if timed_on is None:
             return found
-        strides = replay_strides(part.graph)
+        strides = replay_strides(part.graph, every_op=True)  # a segment's inputs as the step lays them out
         timer = partial(time_calls, device=timed_on, repeats=TRIAL_ROUNDS)
         trials = ((s, _random_inputs(part.graph, s.inputs, strides, timed_on)) for s in found)
         return tuple(s for s, inputs in trials if s.faster_compiled(inputs, timer))

@@ -16,6 +16,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from magis.backend.interpreter import execute
+from magis.backend.program import lower
+from magis.backend.runtime import bind
 from magis.cost import latency
 from magis.cost.device_profiles import DEVICE_PROFILES
 from magis.cost.kernel_model import Gemm, best_tiling
@@ -559,3 +562,37 @@ def test_abstract_and_failing_operators_fall_back_to_the_analytic_estimate(tmp_p
     again = ProfiledCostModel(cache_path=path, repeats=2)
     assert estimate_latency(graph, order, again) == timeline
     assert again.measurements == 0
+
+
+def test_replaying_every_op_on_meta_gives_each_value_the_layout_a_real_run_gives_it() -> None:
+    """``replay_strides(every_op=True)``: an elementwise op keeps its transposed input's layout,
+    a matmul's gradient comes out transposed; the strides of each value as the step makes it."""
+
+    class Transposing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (torch.tanh(x.t() * 2.0) @ self.weight).relu()
+
+    model, x = Transposing(), torch.randn(16, 12)
+    graph = capture(model, (x,), lambda out: out.sum())
+    made: dict[str, tuple] = {}
+    program = lower(graph, [n.name for n in graph.nodes])
+    env = bind(graph, model, (x,))
+    with torch.no_grad():
+        execute(program, env, emit=lambda name, value: made.setdefault(name, value))
+    real = {
+        name: tuple(
+            v.stride() if isinstance(v, torch.Tensor) else None
+            for v in (value if isinstance(value, tuple) else (value,))
+        )
+        for name, value in made.items()
+    }
+    replayed = replay_strides(graph, every_op=True)
+    assert all(replayed[name] == strides for name, strides in real.items()), {
+        n: (replayed[n], s) for n, s in real.items() if replayed[n] != s
+    }
+    views_only = replay_strides(graph)
+    assert any(views_only[name] != strides for name, strides in real.items())  # the case that needs it
