@@ -53,7 +53,7 @@ def runtime_runnable(
         if runtime == "interpreted"
         else generated_step(program, compile=runtime == "compiled", timed_on=device)
     )
-    if runtime == "compiled":  # compile now: what the compiler holds while it works is not the step's memory
+    if runtime == "compiled":  # compile now: Inductor's seconds are not the step's
         with torch.random.fork_rng():
             run_program(program, subject.built.model, subject.inputs, apply_buffer_updates=False, runtime=run)
 
