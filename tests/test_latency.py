@@ -438,6 +438,12 @@ def test_a_large_estimate_is_scaled_by_its_kin_timed_alone(tmp_path: Path, monke
     assert alone_calls.count(conv) == 2  # the convolution at batch 4, then its kin at batch 2
     estimate_latency(whole, order_of(whole), estimating)
     assert alone_calls.count(conv) == 2
+    # another process on this machine (the same cache file) times nothing alone again
+    again = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2, estimate_unseen=True)
+    estimate_latency(half, order_of(half), again)
+    priced = dict(zip(order_of(whole), estimate_latency(whole, order_of(whole), again).per_node_s))
+    assert priced[conv] == pytest.approx(second[conv])
+    assert alone_calls.count(conv) == 2 and again.measurements == 0
 
 
 def test_an_operator_of_a_form_never_timed_is_priced_by_its_time_alone(

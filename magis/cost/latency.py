@@ -398,9 +398,6 @@ class ProfiledCostModel:
         self.estimated = 0
         #: where each kin was timed (its graph, node and replayed strides), to time it alone
         self._kin_sources: dict[str, tuple[Graph, str, dict[str, NodeStrides]]] = {}
-        #: operators timed alone to check an estimate, by key (kept here, not in the cache: an
-        #: operator in the cache is priced by that time, and these are priced by their kin's)
-        self._alone: dict[str, float | None] = {}
         self._graph_seconds: WeakKeyDictionary[Graph, dict[str, float]] = WeakKeyDictionary()
         self._fallback: AnalyticCostModel | None = None
 
@@ -499,6 +496,7 @@ class ProfiledCostModel:
         ten runs of the step."""
         checked: dict[str, float] = {}
         kinless: list[tuple[str, str, float]] = []
+        measured_before = self.measurements
         for name, estimate in estimates.items():
             key = keys.get(name)
             if key is None:
@@ -525,16 +523,20 @@ class ProfiledCostModel:
         for name, key, analytic in kinless:
             if name in checked:
                 self.kin.add(key, analytic, checked[name])
+        if self.measurements > measured_before:
+            self.cache.save()
         return checked
 
     def _time_alone(self, key: str, graph: Graph, name: str, strides: dict[str, NodeStrides]) -> float | None:
-        """Seconds node ``name`` of ``graph`` (operator ``key``) takes alone, timed once per key."""
-        if key not in self._alone:
-            self._alone[key] = self.cache.ops.get(key)
-            if self._alone[key] is None:
-                self._alone[key] = next(measure_nodes(graph, [name], strides, self.device, self.repeats))[1]
-                self.measurements += 1
-        return self._alone[key]
+        """Seconds node ``name`` of ``graph`` (operator ``key``) takes alone, timed once per key
+        on this machine (the cache's ``alone`` times, :class:`~magis.cost.timing_cache.LatencyCache`)."""
+        cached = self.cache.ops.get(key)
+        if cached is not None:
+            return cached
+        if key not in self.cache.alone:
+            self.cache.alone[key] = next(measure_nodes(graph, [name], strides, self.device, self.repeats))[1]
+            self.measurements += 1
+        return self.cache.alone[key]
 
     def _step_keys(self, graph: Graph, keys: dict[str, str]) -> dict[str, str]:
         """On CPU, the key of each node's time in its step (:func:`~magis.cost.op_keys.in_step_key`),
@@ -698,7 +700,8 @@ def cost_model(
     once it has timed a graph (:class:`ProfiledCostModel`; what a search with a time budget
     wants). ``progress``: a profiled model shows a bar while it times operators. ``fused``:
     an analytic model prices chains of pointwise ops as the fused kernels a compiled step
-    runs (:attr:`AnalyticCostModel.fused`).
+    runs (:attr:`AnalyticCostModel.fused`); a profiled one prices each operator as timed (on
+    this CPU Inductor's fused pointwise chains run about as fast as eager's ops: docs/design.md).
 
     An analytic model uses TF32 for fp32 matmuls and convolutions as this process's
     PyTorch settings say (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``).

@@ -22,6 +22,8 @@ from magis.cost.local_device import device_tag
 
 CACHE_FORMAT = 4  # 4: steps timed as generated code (magis.backend.codegen)
 CACHE_DIR_ENV = "MAGIS_CACHE_DIR"
+#: seconds per op key (``None``: the op could not run)
+OpTimes = dict[str, float | None]
 
 
 def default_cache_path(device: torch.device) -> Path:
@@ -41,6 +43,12 @@ class LatencyCache:
     """Seconds per op key timed alone (``ops``; ``None``: the op could not run) and
     timed in its step (``in_step``, :func:`magis.cost.op_keys.in_step_key`), the device's crude roofline
     and the runtime's own costs (:class:`magis.cost.runtime_costs.RuntimeCosts` as a dict, ``None`` until measured).
+    ``alone`` holds the operators timed alone only to check an estimate from their kin
+    (:meth:`~magis.cost.latency.ProfiledCostModel.node_seconds`): kept apart from ``ops``,
+    whose operators are priced by that time, as these are priced by their kin's time in its step
+    scaled by the two times alone. Kept on disk, a second search of a step on this machine
+    spends its time budget searching, not timing: BERT small's search at 0.8 of eager's peak
+    timed 87 operators alone and met the limit after 39 s of its 60; in a second process, 13 s.
 
     Saving merges with what other processes wrote meanwhile and replaces the file
     atomically, so concurrent runs never corrupt it. The in-step times of ``unsaved`` keys
@@ -49,28 +57,27 @@ class LatencyCache:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.ops, self.in_step, self.device_profile, self.runtime_costs = self._read()
+        self.ops, self.in_step, self.alone, self.device_profile, self.runtime_costs = self._read()
         self.unsaved: set[str] = set()
 
-    def _read(
-        self,
-    ) -> tuple[dict[str, float | None], dict[str, float], dict[str, Any] | None, dict[str, float] | None]:
+    def _read(self) -> tuple[OpTimes, dict[str, float], OpTimes, dict[str, Any] | None, dict[str, float] | None]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return {}, {}, None, None
+            return {}, {}, {}, None, None
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
-            return {}, {}, None, None
-        ops, in_step = dict(data.get("ops", {})), dict(data.get("in_step", {}))
-        return ops, in_step, data.get("device_profile"), data.get("runtime_costs")
+            return {}, {}, {}, None, None
+        ops, in_step, alone = (dict(data.get(part, {})) for part in ("ops", "in_step", "alone"))
+        return ops, in_step, alone, data.get("device_profile"), data.get("runtime_costs")
 
     def save(self) -> None:
-        ops, in_step, profile, runtime = self._read()
+        ops, in_step, alone, profile, runtime = self._read()
         ops.update(self.ops)
+        alone.update(self.alone)
         quietly = self.unsaved & in_step.keys()  # timed by another process meanwhile: its times win
         self.unsaved -= quietly
         in_step.update((key, seconds) for key, seconds in self.in_step.items() if key not in quietly)
-        self.ops, self.in_step = ops, in_step
+        self.ops, self.in_step, self.alone = ops, in_step, alone
         self.device_profile = self.device_profile or profile
         self.runtime_costs = self.runtime_costs or runtime
         data = {
@@ -79,6 +86,7 @@ class LatencyCache:
             "device_profile": self.device_profile,
             "runtime_costs": self.runtime_costs,
             "ops": ops,
+            "alone": alone,
             "in_step": {key: seconds for key, seconds in in_step.items() if key not in self.unsaved},
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
