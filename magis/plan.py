@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +44,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from magis.backend.codegen import GeneratedStep, generate
-from magis.backend.compiled import CompiledSegment, compiled_segments
+from magis.backend.compiled import CompiledSegment, Trial, compiled_segments
 from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
 from magis.backend.runtime import RUNTIMES, ModuleInputs, Runtime, StepRunner, run_program
@@ -337,8 +337,10 @@ class Plan:
 
     def runtime_summary(self) -> dict[str, Any]:
         """How the step runs: ``name`` (:data:`PLAN_RUNTIMES`) and, compiled, its ``segments``, the
-        ``compiled_ops`` of its ``ops`` they hold, and each segment that Inductor could not compile
-        (``fallbacks``: its first op and why; it runs its ops as they are)."""
+        ``compiled_ops`` of its ``ops`` they hold, each segment that Inductor could not compile
+        (``fallbacks``: its first op and why; it runs its ops as they are), and, timed, the
+        ``whole_step``: its seconds compiled and as generated code, and whether it ``kept_compiled``
+        (else no segment is compiled)."""
         summary: dict[str, Any] = {"name": self.runtime}
         if self.runtime == "compiled":
             segments = self.compiled.segments
@@ -348,6 +350,13 @@ class Plan:
             summary["fallbacks"] = [
                 {"first_op": s.first_op, "reason": s.fallback} for s in segments if s.fallback is not None
             ]
+            whole = self.compiled.whole_trial
+            if whole is not None:
+                summary["whole_step"] = {
+                    "compiled_s": whole.compiled_s,
+                    "generated_s": whole.ops_s,
+                    "kept_compiled": whole.compiled_wins,
+                }
         replayed = self._replayed.get(self.runtime)
         if replayed is not None:
             summary["cuda_graph"] = {
@@ -400,7 +409,8 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
     a segment where the simulated memory peaks), the step's and each region part's. With
     ``timed_on`` (the device the step runs on) each segment is compiled now and kept only
     where it runs faster than its ops (:meth:`~magis.backend.compiled.CompiledSegment.faster_compiled`,
-    on random inputs of its shapes); the others run as generated code."""
+    on random inputs of its shapes); the others run as generated code. The step so compiled is
+    then timed whole against its generated code, and kept only where faster (:func:`_faster_whole`)."""
     if not compile:
         return generate(program)
 
@@ -413,7 +423,36 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
         trials = ((s, _random_inputs(part.graph, s.inputs, strides, timed_on)) for s in found)
         return tuple(s for s, inputs in trials if s.faster_compiled(inputs, timer))
 
-    return generate(program, segments=segments)
+    step = generate(program, segments=segments)
+    if timed_on is None or not step.segments:
+        return step
+    return _faster_whole(step, generate(program), timed_on)
+
+
+def _faster_whole(compiled: GeneratedStep, plain: GeneratedStep, device: torch.device) -> GeneratedStep:
+    """``compiled`` if it runs faster whole than ``plain`` (the same program without compiled
+    segments) and holds no more memory, else ``plain``; either carries the trial
+    (:class:`~magis.backend.compiled.Trial`) as its ``whole_trial``.
+
+    Segments that each won their trial can still slow the step they sit in (another segment's
+    code evicts theirs from the caches, a layout hands the next op a slower path): BERT small's
+    plan at 0.8 of eager's peak ran 1.054 of eager's step with its winning segments compiled and
+    1.003 as generated code (issue #30's yardstick, 2026-11-29). The whole steps run on random
+    inputs laid out as the step lays them out, in turns, drawing no number from the caller's
+    generators."""
+    graph = compiled.program.graph
+    strides = replay_strides(graph, every_op=True)
+    env = dict(zip(graph.inputs, _random_inputs(graph, graph.inputs, strides, device)))
+
+    def call(step: GeneratedStep) -> Callable[[list[Any]], Any]:
+        return lambda args: step(dict(args[0]))  # a step frees what it reads from its own copy
+
+    timer = partial(time_calls, device=device, repeats=TRIAL_ROUNDS)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for step in (compiled, plain):
+            call(step)([env])  # warm-up: a compiled segment's code loads on its first call in a step
+        trial = Trial.of(call(compiled), call(plain), [env], timer)
+    return replace(compiled if trial.compiled_wins else plain, whole_trial=trial)
 
 
 def _random_inputs(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import magis
+import magis.plan as plan_module
 from magis.analysis.ftrans import FTrans
 from magis.analysis.ftree import build_ftree, next_divisor
 from magis.backend.codegen import GeneratedStep, generate
@@ -305,6 +306,39 @@ def test_a_timed_compiled_step_keeps_a_segment_compiled_only_where_its_trial_win
                     str(ins.fn) == "<built-in function getitem>"
                 ), ins.node
     result = run_program(program, model, batch, runtime=timed)
+    reference = eager_step(model, batch, mse)
+    comparison = compare_gradients(reference.gradients, result.gradients)
+    assert comparison.same_names and comparison.max_error < 1e-10, comparison
+
+
+@pytest.mark.parametrize("whole_faster", [True, False])
+def test_a_timed_compiled_step_slower_whole_than_its_generated_code_runs_as_generated_code(
+    tower, monkeypatch: pytest.MonkeyPatch, whole_faster: bool
+):
+    """Every segment wins its trial here (the timer says so), and the compiled step is then timed
+    whole against its generated code on random inputs: where it is slower (here: said so) the
+    step runs as generated code, no segment compiled, and gives eager's gradients all the same;
+    either way the trial is kept (``whole_trial``) for the plan's report."""
+    model, batch, graph = tower
+    program = lower(graph, tuple(n.name for n in graph.nodes))
+    monkeypatch.setattr(plan_module, "time_calls", lambda fns, device, repeats: [1.0, 2.0])  # compiled first
+
+    class Whole(Trial):
+        @staticmethod
+        def of(*args):
+            trial = Trial.of(*args)  # run for real: both steps called on random inputs, and metered
+            return trial if whole_faster else replace(trial, compiled_s=3.0)
+
+    monkeypatch.setattr(plan_module, "Trial", Whole)
+    step = generated_step(program, compile=True, timed_on=torch.device("cpu"))
+    trial = step.whole_trial
+    assert trial is not None and trial.ops_s == 2.0 and trial.compiled_s == (1.0 if whole_faster else 3.0)
+    if trial.compiled_wins:
+        assert step.segments and all(s.trial.compiled_wins for s in step.segments)
+    else:
+        assert not step.segments and step.source == generate(program).source
+    assert trial.compiled_wins or not whole_faster  # a faster whole step loses only on memory or layouts
+    result = run_program(program, model, batch, runtime=step)
     reference = eager_step(model, batch, mse)
     comparison = compare_gradients(reference.gradients, result.gradients)
     assert comparison.same_names and comparison.max_error < 1e-10, comparison

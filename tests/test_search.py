@@ -99,6 +99,9 @@ def test_magis_optimize_method_runs_with_eagers_gradients_and_its_simulated_peak
     assert max_relative_error(reference.gradients, result.gradients) < 1e-4
     details = method.details(subject, 0.8)  # the plan as the search saw it, beside the measured row
     assert details["simulated_peak_ratio"] == pytest.approx(simulated / captured)
+    # the floor: at least the weights and their gradients, and no more than any plan (or its run) holds
+    weights = sum(p.numel() * p.element_size() for p in subject.built.model.parameters())
+    assert 2 * weights <= details["floor_ratio"] * captured <= min(simulated, peak)
     # priced by the search's own cost model: a fresh profiled model would re-time operators
     # (on a busy machine, other timings), so only the search's model can reproduce its ratio
     _, baseline_s = magis_methods.captured_simulated(subject)

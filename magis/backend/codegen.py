@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from magis.backend.compiled import Trial
 from magis.backend.interpreter import transfer_streams
 from magis.backend.kernels import runtime_kernel
 from magis.backend.program import Instruction, Program
@@ -88,6 +89,8 @@ class GeneratedStep:
     source: str = field(repr=False)
     function: Callable[[dict[str, Any], Any], None] = field(repr=False)
     segments: tuple[Segment, ...] = ()  # called in place of their instructions, the regions' parts' included
+    #: a compiled step timed whole against the step without its segments (``magis.plan.generated_step``)
+    whole_trial: Trial | None = None
 
     def __call__(self, env: dict[str, Any]) -> dict[str, Any]:
         """Run the step on the bound inputs in ``env``; the graph's outputs are added to it."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from magis.api import floor_bytes
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.plan import PlanRuntime
@@ -42,9 +43,12 @@ def search_details(result: SearchResult, peak: int, latency: float) -> dict[str,
     """A search's statistics (MAGIS §7.4: how fast a first plan comes) and what its plan does,
     beside the captured step's simulated ``peak`` and ``latency``: set beside a measured row,
     the simulator's fidelity."""
-    stats = result.stats
+    stats, initial = result.stats, result.initial
+    floor = floor_bytes(initial.graph, simulate_memory(initial.graph, initial.order))
     return {
         "simulated_peak_ratio": result.best.peak_bytes / peak,
+        # what no plan holds less than (weights, gradients returned...): a limit below it is unmet by any search
+        "floor_ratio": floor / peak,
         "simulated_latency_ratio": result.best.latency_s / latency,
         "search_s": stats.seconds,
         "first_feasible_s": stats.first_feasible_s,
