@@ -459,7 +459,8 @@ def _random_inputs(
     graph: Graph, names: Sequence[str], strides: dict[str, NodeStrides], device: torch.device
 ) -> list[Any]:
     """Random tensors shaped and laid out as the values ``names`` of ``graph`` (a tuple for a
-    tuple-valued op), as :func:`~magis.cost.op_timing.random_tensor` makes them."""
+    tuple-valued op), as :func:`~magis.cost.op_timing.random_tensor` makes them; ``None`` for
+    a value without a tensor (the optimizer's handle)."""
     values: list[Any] = []
     for name in names:
         node = graph[name]
@@ -467,7 +468,7 @@ def _random_inputs(
             None if meta is None else random_tensor(meta, stride, device)
             for meta, stride in zip(node.outputs, strides[name])
         ]
-        values.append(tuple(made) if node.tuple_output else made[0])
+        values.append(tuple(made) if node.tuple_output else made[0] if made else None)
     return values
 
 

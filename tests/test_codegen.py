@@ -344,6 +344,38 @@ def test_a_timed_compiled_step_slower_whole_than_its_generated_code_runs_as_gene
     assert comparison.same_names and comparison.max_error < 1e-10, comparison
 
 
+def test_a_compiled_plan_with_the_optimizer_inside_times_its_whole_step_and_trains_as_eager(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """``optimize(compile=True, optimizer=...)``: the whole-step trial runs the step (the update
+    included) on random inputs without the user's optimizer, then the plan trains the model as
+    eager's loop with the same optimizer does, and its report gives the trial's two times (the
+    timer says compiled is faster: every trial then runs, whatever this machine's moment)."""
+    monkeypatch.setattr(plan_module, "time_calls", lambda fns, device, repeats: [1.0, 2.0])
+    torch.manual_seed(0)
+    model = Tower().double()
+    twin = Tower().double()
+    twin.load_state_dict(model.state_dict())
+    sgd, twin_sgd = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin))
+    batches = [torch.randn(64, 32, dtype=torch.float64) for _ in range(2)]
+    plan = magis.optimize(
+        model, (batches[0],), mse, optimizer=sgd, memory_limit=0.9, compile=True,
+        device="h200", time_budget=10.0, max_states=6, progress=False,
+    )  # fmt: skip
+    for x in batches:
+        loss = plan(x)
+        expected = mse(twin(x))
+        expected.backward()
+        twin_sgd.step()
+        twin_sgd.zero_grad()
+        torch.testing.assert_close(loss, expected, rtol=1e-10, atol=0)
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12)
+    runtime = plan.report().runtime
+    assert runtime["whole_step"]["compiled_s"] == 1.0 and runtime["whole_step"]["generated_s"] == 2.0
+    assert runtime["whole_step"]["kept_compiled"] == (runtime["segments"] > 0)
+
+
 def test_a_trial_keeps_the_compiled_segment_only_where_it_wins_on_time_and_memory():
     faster = Trial(compiled_s=1.0, ops_s=2.0, compiled_peak=10, ops_peak=10, compiled_held=5, ops_held=5)
     assert faster.compiled_wins
