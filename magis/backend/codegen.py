@@ -27,16 +27,18 @@ import keyword
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from magis.backend.compiled import Trial
 from magis.backend.interpreter import transfer_streams
 from magis.backend.kernels import runtime_kernel
 from magis.backend.program import Instruction, Program
 from magis.backend.transfer import Load, Store
 from magis.ir.graph import Ref, op_name
+
+if TYPE_CHECKING:  # a segment is a Segment here; only the whole-step trial's type is compiled's
+    from magis.backend.compiled import Trial
 
 
 @runtime_checkable
