@@ -134,6 +134,18 @@ def test_a_saving_rate_floor_ends_the_greedy_where_its_rounds_free_memory_too_sl
     assert [(p.peak_bytes, p.latency_s) for p in floored.visited] == figures[:k]
 
 
+def test_every_round_of_the_greedy_lowers_the_peak_or_narrows_its_plateau():
+    """A round can narrow the peak's plateau with a copy that the round's own merges (step 5)
+    then fold into a copy computed before, ending where it started; the next round would
+    propose it again, round after round, until the time budget. Such a round ends the greedy."""
+    front = recompute_front(mlp_step(blocks=16).graph, H200, time_budget=300.0)
+    assert front.stopped_by == "no progress"
+    for before, after in itertools.pairwise(front.visited):
+        assert after.peak_bytes < before.peak_bytes or (
+            after.peak_bytes == before.peak_bytes and after.peak_steps < before.peak_steps
+        )
+
+
 def test_a_limit_inside_a_batch_finds_the_prefix_at_the_limit():
     """A round that takes eight layers at once jumps over the plans of 5, 6 and 7 of them
     (its power-of-two prefixes give 1, 2 and 4). A latency limit inside that jump gets the

@@ -309,6 +309,8 @@ def _greedy(
             targets = tuple(c.target for c in taken)
             before, current = current, _applied(current, rewrite, targets, kind, model)
             current = _with_shared_copies(current, originals, model, deadline)
+            if not _advanced(before, current):  # its merges undid it: the same round would come again
+                break
             crossed = _crossed(before, current, limits) if limits.at_limits else None
             if batching is not None and len(taken) > 1 and crossed is not None:
                 at_limit = _limit_prefix(before, step, taken, batching, kind, model, crossed)
@@ -318,6 +320,16 @@ def _greedy(
             bar.set_postfix_str(f"peak {current.peak_bytes / 2**20:.1f} MiB, {current.latency_s * 1e3:.3f} ms")
     seconds = time.perf_counter() - start
     return RuleFront(pareto([*visited, *passed]), tuple(visited), stopped_by, seconds, tuple(passed))
+
+
+def _advanced(before: FrontPoint, after: FrontPoint) -> bool:
+    """Whether a round went from ``before`` to ``after`` as :func:`_progress` asks of its
+    rewrite: a lower peak, or as high with fewer steps at it. The duplicates a round's
+    copies make are merged after that test (step 5), into what the graph computed before:
+    a round of a narrowing plateau can end where it started, and the next would propose it again."""
+    return after.peak_bytes < before.peak_bytes or (
+        after.peak_bytes == before.peak_bytes and after.peak_steps < before.peak_steps
+    )
 
 
 def _limit_reached(current: FrontPoint, visited: int, limits: _Limits, deadline: float) -> str | None:
