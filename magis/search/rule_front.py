@@ -41,8 +41,9 @@ backward), then (as :func:`swap_front` does) repeats one round:
    batch crosses the greedy's latency (peak) limit, the longest (shortest) prefix on
    the limit's good side is found by bisection and joins them.
 
-Every round's state is a point; the greedy stops when no proposal makes progress, or
-at the time budget, the round limit, or once a point is slower than a latency limit.
+Every round's state is a point; the greedy stops when no proposal makes progress (or a
+round's merges undo its rewrite), at the time budget, the round limit, or once a point
+is slower than a latency limit.
 The front is the points no other point beats on both peak and latency
 (:func:`pareto`): peaks strictly decreasing, latencies non-decreasing. Only the few
 candidates ranked best are ever simulated, which is what keeps a round at paper size
