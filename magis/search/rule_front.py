@@ -310,8 +310,8 @@ def _greedy(
             targets = tuple(c.target for c in taken)
             before, current = current, _applied(current, rewrite, targets, kind, model)
             current = _with_shared_copies(current, originals, model, deadline)
-            if not _advanced(before, current):  # its merges undid it: the same round would come again
-                break
+            if not _advances(before, current.peak_bytes, current.peak_steps):  # its merges undid it:
+                break  # the same round would come again
             crossed = _crossed(before, current, limits) if limits.at_limits else None
             if batching is not None and len(taken) > 1 and crossed is not None:
                 at_limit = _limit_prefix(before, step, taken, batching, kind, model, crossed)
@@ -323,14 +323,13 @@ def _greedy(
     return RuleFront(pareto([*visited, *passed]), tuple(visited), stopped_by, seconds, tuple(passed))
 
 
-def _advanced(before: FrontPoint, after: FrontPoint) -> bool:
-    """Whether a round went from ``before`` to ``after`` as :func:`_progress` asks of its
-    rewrite: a lower peak, or as high with fewer steps at it. The duplicates a round's
-    copies make are merged after that test (step 5), into what the graph computed before:
-    a round of a narrowing plateau can end where it started, and the next would propose it again."""
-    return after.peak_bytes < before.peak_bytes or (
-        after.peak_bytes == before.peak_bytes and after.peak_steps < before.peak_steps
-    )
+def _advances(current: FrontPoint, peak_bytes: int, peak_steps: int) -> bool:
+    """Whether a peak of ``peak_bytes`` held at ``peak_steps`` steps is progress from ``current``:
+    a lower peak, or as high with fewer steps at it. A rewrite is ranked by it
+    (:func:`_progress`), and so is the round that took it once its duplicates are merged (step
+    5), into what the graph computed before: a round of a narrowing plateau can end where it
+    started, and the next would propose it again."""
+    return peak_bytes < current.peak_bytes or (peak_bytes == current.peak_bytes and peak_steps < current.peak_steps)
 
 
 def _limit_reached(current: FrontPoint, visited: int, limits: _Limits, deadline: float) -> str | None:
@@ -494,9 +493,9 @@ def _progress(current: FrontPoint, rewrite: Rewrite, model: CostModel) -> tuple[
     a lower peak first, by bytes dropped per second added; then a narrower plateau.
     ``None`` when the peak rises, or stays with as many steps at it."""
     memory = rewrite.memory or simulate_memory(rewrite.graph, rewrite.order)
-    drop = current.peak_bytes - memory.peak
-    if drop < 0 or (drop == 0 and len(memory.peak_steps) >= current.peak_steps):
+    if not _advances(current, memory.peak, len(memory.peak_steps)):
         return None
+    drop = current.peak_bytes - memory.peak
     added = estimate_latency(rewrite.graph, rewrite.order, model).total_s - current.latency_s
     return (int(drop > 0), drop / max(added, _NO_SECONDS), -len(memory.peak_steps))
 
