@@ -34,6 +34,7 @@ inference plan's (called as its user calls it) beside the model's own forward.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property, partial
@@ -52,7 +53,7 @@ from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.cost.op_keys import NodeStrides, replay_strides
-from magis.cost.op_timing import random_tensor, time_calls
+from magis.cost.op_timing import random_tensor, time_calls, time_in_turns
 from magis.frontend.capture import same_generator_named
 from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off
 from magis.frontend.grad_seed import seeded
@@ -339,8 +340,9 @@ class Plan:
         """How the step runs: ``name`` (:data:`PLAN_RUNTIMES`) and, compiled, its ``segments``, the
         ``compiled_ops`` of its ``ops`` they hold, each segment that Inductor could not compile
         (``fallbacks``: its first op and why; it runs its ops as they are), and, timed, the
-        ``whole_step``: its seconds compiled and as generated code, and whether it ``kept_compiled``
-        (else no segment is compiled)."""
+        ``whole_step``: its median seconds compiled and as generated code, the mean ``ratio`` of
+        the two over paired rounds and its standard error (``ratio_error``), and whether it
+        ``kept_compiled`` (else no segment is compiled)."""
         summary: dict[str, Any] = {"name": self.runtime}
         if self.runtime == "compiled":
             segments = self.compiled.segments
@@ -355,6 +357,8 @@ class Plan:
                 summary["whole_step"] = {
                     "compiled_s": whole.compiled_s,
                     "generated_s": whole.ops_s,
+                    "ratio": whole.ratio,
+                    "ratio_error": whole.ratio_error if math.isfinite(whole.ratio_error) else None,
                     "kept_compiled": whole.compiled_wins,
                 }
         replayed = self._replayed.get(self.runtime)
@@ -401,6 +405,10 @@ class Plan:
 
 #: rounds of a compiled segment's trial against its ops (:class:`~magis.backend.compiled.Trial`)
 TRIAL_ROUNDS = 3
+#: quiet paired rounds of a compiled step's trial against its generated code (:func:`_faster_whole`),
+#: and the seconds after which no further round starts
+WHOLE_TRIAL_ROUNDS = 5
+WHOLE_TRIAL_SECONDS = 120.0
 
 
 def generated_step(program: Program, compile: bool = False, timed_on: torch.device | None = None) -> GeneratedStep:
@@ -410,7 +418,7 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
     ``timed_on`` (the device the step runs on) each segment is compiled now and kept only
     where it runs faster than its ops (:meth:`~magis.backend.compiled.CompiledSegment.faster_compiled`,
     on random inputs of its shapes); the others run as generated code. The step so compiled is
-    then timed whole against its generated code, and kept only where faster (:func:`_faster_whole`)."""
+    then timed whole against its generated code, and kept only where clearly faster (:func:`_faster_whole`)."""
     if not compile:
         return generate(program)
 
@@ -438,8 +446,11 @@ def _faster_whole(compiled: GeneratedStep, plain: GeneratedStep, device: torch.d
     code evicts theirs from the caches, a layout hands the next op a slower path): BERT small's
     plan at 0.8 of eager's peak ran 1.054 of eager's step with its winning segments compiled and
     1.003 as generated code (issue #30's yardstick, 2026-11-29). The whole steps run on random
-    inputs laid out as the step lays them out, in turns, drawing no number from the caller's
-    generators."""
+    inputs laid out as the step lays them out, in :data:`WHOLE_TRIAL_ROUNDS` paired rounds
+    (:func:`~magis.cost.op_timing.time_in_turns`), drawing no number from the caller's
+    generators; the compiled step is kept only where it is faster by more than the standard
+    error of the rounds' ratios (:class:`~magis.backend.compiled.Trial`): else it saves less
+    than the noise of a step, and generated code is the step whose time the plan predicts."""
     graph = compiled.program.graph
     strides = replay_strides(graph, every_op=True)
     env = dict(zip(graph.inputs, _random_inputs(graph, graph.inputs, strides, device)))
@@ -447,11 +458,12 @@ def _faster_whole(compiled: GeneratedStep, plain: GeneratedStep, device: torch.d
     def call(step: GeneratedStep) -> Callable[[list[Any]], Any]:
         return lambda args: step(dict(args[0]))  # a step frees what it reads from its own copy
 
-    timer = partial(time_calls, device=device, repeats=TRIAL_ROUNDS)
+    runs = [call(compiled), call(plain)]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for step in (compiled, plain):
-            call(step)([env])  # warm-up: a compiled segment's code loads on its first call in a step
-        trial = Trial.of(call(compiled), call(plain), [env], timer)
+        for run in runs:
+            run([env])  # warm-up: a compiled segment's code loads on its first call in a step
+        timed = time_in_turns([partial(run, [env]) for run in runs], device, WHOLE_TRIAL_ROUNDS, WHOLE_TRIAL_SECONDS)
+        trial = Trial.metered(*runs, [env], *timed.seconds, *timed.ratio(0, 1))
     return replace(compiled if trial.compiled_wins else plain, whole_trial=trial)
 
 

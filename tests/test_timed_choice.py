@@ -5,6 +5,8 @@ best, timed in turns with the captured step, decide by their timed figures; on a
 from __future__ import annotations
 
 import copy
+import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -249,6 +251,21 @@ def test_calls_timed_in_turns_keep_their_order_whichever_runs_first():
     assert timed.seconds[1] < timed.seconds[2] < timed.seconds[0]
     assert {ran[k * 3] for k in range(3)} == {0, 1, 2}  # each call ran first in some round
     assert not timed.quiet  # sleeping is not running: no round counts as quiet
+    assert len(timed.samples) == timed.rounds and all(len(r) == 3 for r in timed.samples)
+    assert timed.seconds == tuple(statistics.median(r[i] for r in timed.samples) for i in range(3))
+    ratio, error = timed.ratio(0, 1)  # paired: each round's 4 ms call over the same round's 1 ms call
+    assert ratio == pytest.approx(statistics.fmean(r[0] / r[1] for r in timed.samples)) and ratio > 1.5
+    assert 0 <= error < math.inf
+
+
+def test_a_ratio_of_paired_rounds_has_the_standard_error_of_its_rounds():
+    rounds = ((1.0, 2.0), (1.2, 2.0), (0.8, 2.0))
+    timed = StepsTimed((1.0, 2.0), 3, True, rounds)
+    ratio, error = timed.ratio(0, 1)
+    assert ratio == pytest.approx(0.5)
+    assert error == pytest.approx(statistics.stdev([0.5, 0.6, 0.4]) / math.sqrt(3))
+    assert timed.ratio(1, 0)[0] == pytest.approx(statistics.fmean([2.0, 2 / 1.2, 2 / 0.8]))
+    assert StepsTimed((1.0, 2.0), 1, True, rounds[:1]).ratio(0, 1) == (0.5, math.inf)  # one round: no spread
 
 
 def test_timing_leaves_the_model_as_it_was(one_thread):

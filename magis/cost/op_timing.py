@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -288,11 +289,22 @@ def measure_in_step(
 @dataclass(frozen=True)
 class StepsTimed:
     """What :func:`time_in_turns` found: the median ``seconds`` of each call over the ``rounds``
-    that counted, and whether those were ``quiet`` (every call in them, :data:`QUIET_SHARE`)."""
+    that counted, and whether those were ``quiet`` (every call in them, :data:`QUIET_SHARE`);
+    ``samples`` are the counted rounds' seconds, one tuple of every call's per round."""
 
     seconds: tuple[float, ...]
     rounds: int
     quiet: bool
+    samples: tuple[tuple[float, ...], ...] = ()
+
+    def ratio(self, call: int, reference: int) -> tuple[float, float]:
+        """The mean over the counted rounds of ``call``'s seconds over ``reference``'s in the
+        same round, and its standard error (infinite from one round): paired, so a moment that
+        slows the machine for a round moves both calls of it."""
+        ratios = [times[call] / times[reference] for times in self.samples]
+        if len(ratios) < 2:
+            return statistics.fmean(ratios), math.inf
+        return statistics.fmean(ratios), statistics.stdev(ratios) / math.sqrt(len(ratios))
 
 
 def time_in_turns(
@@ -328,7 +340,7 @@ def time_in_turns(
             quiet.append(times)
     counted = quiet if len(quiet) >= 3 else rounds
     seconds = tuple(statistics.median(r[i] for r in counted) for i in range(len(calls)))
-    return StepsTimed(seconds, len(counted), counted is quiet)
+    return StepsTimed(seconds, len(counted), counted is quiet, tuple(map(tuple, counted)))
 
 
 def measure_steps(
