@@ -29,7 +29,7 @@ import math
 import operator
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 from weakref import WeakKeyDictionary
@@ -451,9 +451,12 @@ class ProfiledCostModel:
             timed = measure_steps(replayed, self.device, self.in_step_runs, max_seconds)
         except Exception as err:  # any step that cannot run here is left to its estimate
             raise CannotTime(f"a step could not run on random inputs ({err})") from err
-        runtime = self.runtime_costs
-        seconds = tuple(t + binding_seconds(graph, runtime) for t, (graph, _) in zip(timed.seconds, steps))
-        return StepsTimed(seconds, timed.rounds, timed.quiet)
+        binding = [binding_seconds(graph, self.runtime_costs) for graph, _ in steps]
+
+        def bound(times: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(t + b for t, b in zip(times, binding))
+
+        return replace(timed, seconds=bound(timed.seconds), samples=tuple(map(bound, timed.samples)))
 
     def _price(self, graph: Graph) -> dict[str, float]:
         """Seconds of every node of ``graph``: the operators not cached yet are timed
