@@ -148,7 +148,9 @@ def measure_against_eager(
     """Run the step twice from the same state and seed: eager PyTorch, then the magis runtime
     (``runtime``: generated code, the interpreter, or a plan's own step such as ``plan.compiled``).
 
-    Returns ``measured_peak_bytes``, ``eager_peak_bytes``, ``max_grad_error`` (the
+    Returns ``measured_peak_bytes``, ``eager_peak_bytes`` (for a step with compiled segments on
+    CPU both as the allocator counts them, kernels' scratch and Inductor's buffers included:
+    :class:`~magis.backend.meter.CpuAllocatorMeter`), ``max_grad_error`` (the
     loss counts as one more gradient) and the parameters whose gradient only one of
     the two computed: ``missing_gradients`` (eager has one, magis not: that parameter
     would never train) and ``extra_gradients``. With any of those, ``max_grad_error``

@@ -423,13 +423,25 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
         return generate(program)
 
     def segments(part: Program, ends: frozenset[str]) -> tuple[CompiledSegment, ...]:
-        found = compiled_segments(part, simulate_memory(part.graph, part.order).timeline, ends)
+        live = simulate_memory(part.graph, part.order).timeline
         if timed_on is None:
-            return found
+            return compiled_segments(part, live, ends)
         strides = replay_strides(part.graph, every_op=True)  # a segment's inputs as the step lays them out
         timer = partial(time_calls, device=timed_on, repeats=TRIAL_ROUNDS)
-        trials = ((s, _random_inputs(part.graph, s.inputs, strides, timed_on)) for s in found)
-        return tuple(s for s, inputs in trials if s.faster_compiled(inputs, timer))
+
+        def wins(segment: CompiledSegment) -> bool:
+            return segment.faster_compiled(_random_inputs(part.graph, segment.inputs, strides, timed_on), timer)
+
+        # tried segments may run through the peak; where one loses, the runs between its
+        # near-peak instructions are tried instead (magis.backend.compiled's docstring)
+        kept, away = [], compiled_segments(part, live, ends)
+        for wide in compiled_segments(part, live, ends, near_peak=True):
+            if wins(wide):
+                kept.append(wide)
+            else:
+                inside = [s for s in away if wide.start <= s.start and s.stop <= wide.stop and s.ops < wide.ops]
+                kept += [s for s in inside if wins(s)]
+        return tuple(kept)
 
     step = generate(program, segments=segments)
     if timed_on is None or not step.segments:

@@ -7,6 +7,7 @@ workload's plan gives eager's loss and gradients in every runtime, within its li
 
 from __future__ import annotations
 
+import operator
 import re
 import statistics
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ import magis.plan as plan_module
 from magis.analysis.ftrans import FTrans
 from magis.analysis.ftree import build_ftree, next_divisor
 from magis.backend.codegen import GeneratedStep, generate
-from magis.backend.compiled import Trial
+from magis.backend.compiled import KERNEL_SCRATCH, PEAK_SHARE, CompiledSegment, Trial, compiled_segments
 from magis.backend.eager import (
     GRADIENT_TOLERANCE,
     buffers_snapshot,
@@ -28,7 +29,7 @@ from magis.backend.eager import (
     eager_step,
     restore_buffers,
 )
-from magis.backend.meter import LiveTensorMeter, resident_tensors
+from magis.backend.meter import LiveTensorMeter, peak_meter, resident_tensors
 from magis.backend.program import lower
 from magis.backend.runtime import run_program
 from magis.cost.device_profiles import DEVICE_PROFILES
@@ -81,7 +82,8 @@ def runs_like_eager(model: nn.Module, batch: tuple, graph: Graph, order: tuple[s
     """Run ``graph`` in ``order`` as generated code: the same loss and gradients as the
     interpreter (bitwise: the same kernels in the same order) and eager PyTorch (float64
     round-off), the measured peak within 2% of the simulated one; then compiled, eager's
-    loss and gradients within float64 round-off and the peak no higher. Returns both steps."""
+    loss and gradients within float64 round-off and the peak, as the allocator counts it
+    (Inductor's buffers included), no higher. Returns both steps."""
     program = lower(graph, order)
     steps = Steps(generate(program), generated_step(program, compile=True))
     snapshot = buffers_snapshot(model)
@@ -89,7 +91,7 @@ def runs_like_eager(model: nn.Module, batch: tuple, graph: Graph, order: tuple[s
         generated = run_program(program, model, batch, runtime=steps.generated)
     interpreted = run_program(program, model, batch, runtime="interpreted")
     run_program(program, model, batch, runtime=steps.compiled)  # the first call compiles
-    with LiveTensorMeter(resident_tensors(model, batch)) as compiled_meter:
+    with peak_meter(model, batch, compiled=True) as compiled_meter:  # Inductor's buffers included
         compiled = run_program(program, model, batch, runtime=steps.compiled)
     restore_buffers(model, snapshot)
     reference = eager_step(model, batch, mse)
@@ -298,18 +300,60 @@ def test_a_timed_compiled_step_keeps_a_segment_compiled_only_where_its_trial_win
     every = generated_step(program, compile=True)
     timed = generated_step(program, compile=True, timed_on=torch.device("cpu"))
     assert every.segments and all(s.trial is None for s in every.segments)
-    kept = {s.start for s in timed.segments}
-    assert kept <= {s.start for s in every.segments}
+    live = simulate_memory(graph, order).timeline
+    candidates = {(s.start, s.stop) for near in (False, True) for s in compiled_segments(program, live, near_peak=near)}
+    assert {(s.start, s.stop) for s in timed.segments} <= candidates
     assert all(s.trial is not None and s.trial.compiled_wins for s in timed.segments)
-    for segment in every.segments:
-        if segment.start not in kept:  # its ops are generated code again
-            for ins in program.instructions[segment.start : segment.stop]:
-                assert re.search(rf"^\s+\w+ = .*\b{re.escape(str(ins.fn))}\(", timed.source, re.MULTILINE) or (
-                    str(ins.fn) == "<built-in function getitem>"
-                ), ins.node
+    compiled = {i for s in timed.segments for i in range(s.start, s.stop)}
+    for i, ins in enumerate(program.instructions):
+        if i not in compiled and ins.fn is not operator.getitem:  # generated code
+            assert re.search(rf"^\s+\w+ = .*\b{re.escape(str(ins.fn))}\(", timed.source, re.MULTILINE), ins.node
     result = run_program(program, model, batch, runtime=timed)
     reference = eager_step(model, batch, mse)
     comparison = compare_gradients(reference.gradients, result.gradients)
+    assert comparison.same_names and comparison.max_error < 1e-10, comparison
+
+
+@pytest.mark.parametrize("wide_wins", [True, False])
+def test_a_tried_segment_runs_through_the_peak_and_where_it_loses_the_runs_beside_the_peak_are_tried(
+    tower, monkeypatch: pytest.MonkeyPatch, wide_wins: bool
+):
+    """Untried segments stop short of the instructions near the peak; tried ones run through
+    them (their trial meters Inductor's buffers), and where one loses, the runs between its
+    near-peak instructions are tried in its place."""
+    model, batch, graph = tower
+    order = tuple(n.name for n in graph.nodes)
+    program = lower(graph, order)
+    live = simulate_memory(graph, order).timeline
+    narrow = compiled_segments(program, live)
+    wide = compiled_segments(program, live, near_peak=True)
+    position = {name: i for i, name in enumerate(order)}
+    peak = max(live)
+
+    def near(segment: CompiledSegment) -> bool:
+        body = program.instructions[segment.start : segment.stop]
+        return any(live[position[ins.node]] >= PEAK_SHARE * peak for ins in body)
+
+    assert not any(near(s) for s in narrow) and any(near(s) for s in wide)
+    tried: list[tuple[int, int]] = []
+
+    def faster_compiled(segment: CompiledSegment, args, timer) -> bool:
+        tried.append((segment.start, segment.stop))
+        return wide_wins or not near(segment)
+
+    monkeypatch.setattr(CompiledSegment, "faster_compiled", faster_compiled)
+    monkeypatch.setattr(plan_module, "_faster_whole", lambda compiled, plain, device: compiled)
+    step = generated_step(program, compile=True, timed_on=torch.device("cpu"))
+    kept = [(s.start, s.stop) for s in step.segments]
+    if wide_wins:
+        assert kept == [(s.start, s.stop) for s in wide]
+    else:
+        losers = [s for s in wide if near(s)]
+        inside = [(s.start, s.stop) for s in narrow if any(w.start <= s.start and s.stop <= w.stop for w in losers)]
+        assert inside and set(inside) <= set(tried)
+        assert set(kept) == {(s.start, s.stop) for s in wide if not near(s)} | set(inside)
+    result = run_program(program, model, batch, runtime=step)
+    comparison = compare_gradients(eager_step(model, batch, mse).gradients, result.gradients)
     assert comparison.same_names and comparison.max_error < 1e-10, comparison
 
 
@@ -398,7 +442,9 @@ def test_a_trial_keeps_the_compiled_segment_only_where_it_wins_on_time_and_memor
     faster = Trial(compiled_s=1.0, ops_s=2.0, compiled_peak=10, ops_peak=10, compiled_held=5, ops_held=5)
     assert faster.compiled_wins
     assert not replace(faster, compiled_s=2.0).compiled_wins  # a tie keeps eager's kernels
-    assert not replace(faster, compiled_peak=11).compiled_wins
+    # a kernel's own scratch (the allocator's meter counts it) is not a tensor the plan holds
+    assert replace(faster, compiled_peak=10 + KERNEL_SCRATCH).compiled_wins
+    assert not replace(faster, compiled_peak=11 + KERNEL_SCRATCH).compiled_wins
     assert not replace(faster, compiled_held=6).compiled_wins  # an output viewing a larger buffer
     assert not replace(faster, same_layouts=False).compiled_wins  # the ops after it would read other layouts
     # timed in paired rounds (a whole step): faster by more than the rounds' standard error

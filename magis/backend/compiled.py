@@ -11,9 +11,13 @@ of consecutive instructions that a compiler may fuse without undoing those decis
   program of one part has segments of its own, called once per part (the parts have one
   shape), each ending at a part's output, which is put in place as soon as it is made;
 - the instructions where the plan's memory is near its peak (:data:`PEAK_SHARE`) join
-  no segment: Inductor orders the kernels of a segment itself and may hold a result a
-  little longer than the plan's ops do (tiny U-Net on CPU: 4.6% of the peak, at a chain
-  of convolution backwards), and near a peak that is over the limit;
+  no segment that is not tried first: Inductor orders the kernels of a segment itself and
+  may hold a result a little longer than the plan's ops do (tiny U-Net on CPU: 4.6% of the
+  peak, at a chain of convolution backwards), and near a peak that is over the limit. A
+  trial meters both ways as the allocator counts (Inductor's buffers included) and keeps
+  the compiled code only where it holds no more, so segments that are tried may run
+  through the peak (``near_peak``); where one loses, the runs between its near-peak
+  instructions are tried instead (:func:`magis.plan.generated_step`);
 - a recomputed copy of an op starts a new segment: Inductor would merge it with the
   original (common subexpressions) and keep the tensor the plan recomputes to free;
 - a segment of fewer than :data:`MIN_SEGMENT_OPS` ops is not worth a compiled call.
@@ -37,6 +41,7 @@ its instructions.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -47,13 +52,16 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from magis.backend.meter import CudaPeakMeter, LiveTensorMeter
+from magis.backend.meter import CpuAllocatorMeter, CudaPeakMeter
 from magis.backend.program import Instruction, Program
 from magis.ir.fx import fx_module
 from magis.ir.graph import Graph, Ref
 
 #: an instruction after which the plan's live memory is at least this share of its peak joins no segment
 PEAK_SHARE = 0.9
+#: bytes a compiled segment may allocate above its ops' peak while it runs: its kernels' own
+#: scratch, which the allocator's meter counts (4 KiB in BERT small's segments on a CPU)
+KERNEL_SCRATCH = 64 * 1024
 #: fewest aten ops worth a compiled call
 MIN_SEGMENT_OPS = 3
 _VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default}
@@ -77,8 +85,8 @@ Timer = Callable[[Sequence[Callable[[], Any]]], Sequence[float]]
 class Trial:
     """A segment run compiled and as its ops on the same inputs: the fastest seconds of each,
     timed in turns by a :data:`Timer`, and the peak bytes each allocates above its
-    inputs (:class:`~magis.backend.meter.LiveTensorMeter` on CPU, which sees the tensors
-    Inductor's code makes through the dispatcher, not its own buffers; exact on CUDA), and
+    inputs, as the allocator counts them (:class:`~magis.backend.meter.CpuAllocatorMeter`,
+    :class:`~magis.backend.meter.CudaPeakMeter`: Inductor's own buffers included), and
     the bytes its outputs hold once it returns.
 
     A whole step is timed otherwise (:func:`magis.plan.generated_step`): in paired rounds,
@@ -104,10 +112,14 @@ class Trial:
     @property
     def compiled_wins(self) -> bool:
         """Faster compiled (timed in rounds: by more than the rounds' standard error), holding
-        no more memory while it runs nor after, its results laid out as the ops lay them out."""
+        no more memory while it runs (but :data:`KERNEL_SCRATCH`) nor after, its results laid
+        out as the ops lay them out."""
         faster = self.compiled_s < self.ops_s if self.ratio is None else self.ratio + self.ratio_error < 1
         return (
-            self.same_layouts and faster and self.compiled_peak <= self.ops_peak and self.compiled_held <= self.ops_held
+            self.same_layouts
+            and faster
+            and self.compiled_peak <= self.ops_peak + KERNEL_SCRATCH
+            and self.compiled_held <= self.ops_held
         )
 
     @staticmethod
@@ -133,7 +145,7 @@ class Trial:
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
         peaks, held, layouts = {}, {}, {}
         for run in (compiled, ops):
-            with CudaPeakMeter(device) if device is not None else LiveTensorMeter() as meter:
+            with CudaPeakMeter(device) if device is not None else CpuAllocatorMeter() as meter:
                 outputs = run(list(args))
             peaks[run] = meter.peak_bytes
             tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]
@@ -220,25 +232,28 @@ class CompiledSegment:
 
 
 def compiled_segments(
-    program: Program, live: Sequence[int], ends: Collection[str] = frozenset()
+    program: Program, live: Sequence[int], ends: Collection[str] = frozenset(), near_peak: bool = False
 ) -> tuple[CompiledSegment, ...]:
     """The program's maximal compilable runs (module docstring), each as an fx graph not yet
     compiled; ``live`` is the simulated live memory after each node of ``program.order``
     (:func:`magis.cost.memory.simulate_memory`'s timeline); a run ends at each of ``ends`` (a
-    region part's outputs), which it returns whether or not anything reads them later."""
+    region part's outputs), which it returns whether or not anything reads them later. With
+    ``near_peak`` the instructions near the peak join runs too: for segments that a trial
+    meters before they are kept (:meth:`CompiledSegment.faster_compiled`)."""
     segments = []
-    for begin, end in _runs(program, live, ends):
+    for begin, end in _runs(program, live, ends, near_peak):
         body = program.instructions[begin:end]
         if sum(ins.fn is not operator.getitem for ins in body) >= MIN_SEGMENT_OPS:
             segments.append(_segment(program.graph, body, begin, end, ends))
     return tuple(segments)
 
 
-def _runs(program: Program, live: Sequence[int], ends: Collection[str]) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each run of compilable instructions away from the peaks, cut after
-    each of ``ends`` and before a recomputed copy of an op of the same run (module docstring)."""
+def _runs(program: Program, live: Sequence[int], ends: Collection[str], near_peak: bool) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of compilable instructions (away from the peaks unless
+    ``near_peak``), cut after each of ``ends`` and before a recomputed copy of an op of the
+    same run (module docstring)."""
     position = {name: i for i, name in enumerate(program.order)}
-    peak = max(live, default=0)
+    peak = math.inf if near_peak else max(live, default=0)
     runs: list[tuple[int, int]] = []
     start: int | None = None
     seen: set[str] = set()  # the calls of the open run

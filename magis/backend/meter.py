@@ -9,6 +9,12 @@ its inputs, its output and everything else still held — the M_i of MAGIS §2.1
 Resident tensors (parameters, buffers, inputs) are registered up front, as
 ``torch.cuda.max_memory_allocated`` would count them.
 
+Code compiled by Inductor allocates its buffers below the dispatcher, where that meter
+sees nothing: :class:`CpuAllocatorMeter` reads the CPU allocator itself instead (every
+allocation and free, as ``torch.profiler`` records them with ``profile_memory``), the
+CPU's counterpart of :class:`CudaPeakMeter`. It also counts what kernels allocate for
+themselves, which the simulator (live tensors) does not, so it meters compiled code only.
+
 Tensors swapped out to host memory (a swap's Store, MAGIS §5.2) are held in
 :data:`HOST_POOL`, never counted as device memory: both meters report the pool's peak
 apart, as ``offloaded_bytes``.
@@ -16,11 +22,13 @@ apart, as ``offloaded_bytes``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._C._profiler import _EventType
 from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -158,9 +166,83 @@ class CudaPeakMeter:
         self.offloaded_bytes = HOST_POOL.peak_bytes
 
 
-def peak_meter(model: torch.nn.Module, inputs: Iterable[Any]) -> LiveTensorMeter | CudaPeakMeter:
-    """The right meter for where the model lives."""
+class CpuAllocatorMeter:
+    """The CPU allocator's peak over a block, counted as :class:`CudaPeakMeter` counts: the
+    resident tensors, plus the most the block's allocations less its frees reached.
+
+    Read from ``torch.profiler``'s allocation events (``profile_memory``), which the
+    allocator reports whatever allocates: an aten op, or Inductor's generated code, whose
+    buffers :class:`LiveTensorMeter` never sees (module docstring). What a CPU's Store copies
+    into :data:`HOST_POOL` (allocated in :data:`HOST_POOL_SCOPE`) is reported apart, as
+    ``offloaded_bytes``. A profiler already running in the process cannot be nested, so
+    entering it then raises.
+    """
+
+    def __init__(self, resident: Iterable[torch.Tensor] = ()) -> None:
+        storages = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in resident}
+        self.resident_bytes = int(sum(storages.values()))
+        self.peak_bytes = 0
+        self.offloaded_bytes = 0
+        self._profile: torch.profiler.profile | None = None
+
+    def __enter__(self) -> CpuAllocatorMeter:
+        if torch.autograd.profiler._is_profiler_enabled:
+            raise RuntimeError("the CPU allocator's peak is read through torch.profiler, which is already running")
+        # Kineto, below torch.profiler, logs two lines per profile at its default level (a
+        # compiled plan's trials meter every segment twice); a level the caller set is kept
+        os.environ.setdefault("KINETO_LOG_LEVEL", str(_KINETO_QUIET))
+        HOST_POOL.reset_peak()
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._profile is not None
+        self._profile.__exit__(*exc)
+        events = sorted(_cpu_allocations(self._profile.profiler.kineto_results.experimental_event_tree()))
+        hosted: dict[int, bool] = {}  # live allocations by address: made for the host pool?
+        running = peak = 0
+        for _, size, address, in_host_pool in events:
+            if size > 0:
+                hosted[address] = in_host_pool
+            if not (hosted.pop(address, False) if size < 0 else in_host_pool):
+                running += size
+                peak = max(peak, running)
+        self.peak_bytes = self.resident_bytes + peak
+        self.offloaded_bytes = HOST_POOL.peak_bytes
+        self._profile = None
+
+
+#: Kineto's log level above its every message (read when the profiler first starts in a process)
+_KINETO_QUIET = 6
+
+#: the profiler scope around an allocation of :data:`HOST_POOL` (a CPU's Store): not device memory
+HOST_POOL_SCOPE = "magis::host_pool"
+
+
+def _cpu_allocations(roots: Iterable[Any]) -> list[tuple[int, int, int, bool]]:
+    """``(time, bytes, address, in the host pool's scope)`` of every CPU allocation (bytes > 0)
+    and free (< 0) under ``roots``, nodes of the profiler's event tree."""
+    found: list[tuple[int, int, int, bool]] = []
+    stack = [(node, False) for node in roots]
+    while stack:
+        node, in_host_pool = stack.pop()
+        in_host_pool = in_host_pool or node.name == HOST_POOL_SCOPE
+        stack.extend((child, in_host_pool) for child in node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.alloc_size, fields.ptr, in_host_pool))
+    return found
+
+
+def peak_meter(
+    model: torch.nn.Module, inputs: Iterable[Any], compiled: bool = False
+) -> LiveTensorMeter | CudaPeakMeter | CpuAllocatorMeter:
+    """The right meter for where the model lives, and for a step that runs ``compiled`` code
+    (Inductor's buffers: on CPU the allocator's meter, as live tensors cannot show them)."""
     param = next(model.parameters())
     if param.device.type == "cuda":
         return CudaPeakMeter(param.device, resident_tensors(model, inputs))
+    if compiled:
+        return CpuAllocatorMeter(resident_tensors(model, inputs))
     return LiveTensorMeter(resident_tensors(model, inputs))

@@ -18,7 +18,7 @@ first kernel that reads the result waits for that event, so the copy overlaps al
 compute scheduled between the Load and that reader (MAGIS §6.2, last paragraph).
 
 On a CPU there is no separate device memory: a Store copies into :data:`HOST_POOL`
-unseen by the live-tensor meter, which reports the pool apart (``offloaded_bytes``),
+unseen by the meters, which report the pool apart (``offloaded_bytes``),
 and a Load copies back as an ordinary op the meter counts.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from magis.backend.meter import HOST_POOL
+from magis.backend.meter import HOST_POOL, HOST_POOL_SCOPE
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class Store:
     def __call__(self, x: torch.Tensor, streams: TransferStreams | None = None) -> torch.Tensor:
         if streams is not None:
             return streams.store(x)
-        with _disable_current_modes():  # not device memory: the meter must not count it
+        # not device memory: the meters must not count it
+        with _disable_current_modes(), torch.profiler.record_function(HOST_POOL_SCOPE):
             host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
             host.copy_(x)
         HOST_POOL.hold(host)

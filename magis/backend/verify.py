@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from magis.backend.codegen import GeneratedStep
 from magis.backend.eager import (
     GRADIENT_TOLERANCE,
     NOISE_FLOOR,
@@ -81,20 +82,23 @@ def run_both(
 ) -> BothSteps:
     """Eager's step, then ``graph`` in ``order`` (autocast off: it holds its casts) run as
     ``runtime`` says (:func:`~magis.backend.runtime.run_program`), each from ``seed`` and the
-    same buffers, with ``measure`` each measured (:func:`~magis.backend.meter.peak_meter`);
+    same buffers, with ``measure`` each measured (:func:`~magis.backend.meter.peak_meter`; for
+    a step with compiled segments both by the allocator, kernels' scratch included);
     the model's buffers, ``.grad`` and the generators are as before afterwards. For an
     inference graph (:attr:`~magis.ir.graph.Signature.inference`) eager's step is the forward
     alone (:func:`~magis.backend.eager.eager_forward`) and ``step`` is not used."""
     inputs = BatchSpec.of(batch).tensors(batch)
     constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
+    # a compiled step's buffers are seen by its allocator only: eager is then metered so too
+    compiled = isinstance(runtime, GeneratedStep) and bool(runtime.segments)
     with _model_kept(model) as before, forked_rng(model):
         # forked again: the graph draws from the model's own generators where eager's run began
-        with forked_rng(model), peak_meter(model, inputs) if measure else _Unmeasured() as eager_meter:
+        with forked_rng(model), peak_meter(model, inputs, compiled) if measure else _Unmeasured() as eager_meter:
             torch.manual_seed(seed)
             reference = _eager_reference(graph, model, batch, step)
         after = buffers_snapshot(model)
         restore_buffers(model, before)
-        with peak_meter(model, [*inputs, *constants]) if measure else _Unmeasured() as meter, autocast_off():
+        with peak_meter(model, [*inputs, *constants], compiled) if measure else _Unmeasured() as meter, autocast_off():
             torch.manual_seed(seed)
             result = run_step(graph, model, inputs, order, apply_buffer_updates=False, runtime=runtime)
     return BothSteps(reference, result, before, after, eager_meter.peak_bytes, meter.peak_bytes)

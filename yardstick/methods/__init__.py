@@ -27,7 +27,7 @@ The package:
     activation checkpointing of every block or of √n segments of blocks (Chen et al. 2016);
   - :mod:`~yardstick.methods.compile_peer` — ``compile``, ``torch.compile``'s min-cut partitioner
     under an activation memory budget, its graphs run eagerly; ``inductor`` (opt-in), the same
-    compiled by Inductor as users run ``torch.compile``: timed, its peak simulated;
+    compiled by Inductor as users run ``torch.compile``: timed, its peak its allocator's;
   - :mod:`~yardstick.methods.accumulate_peers` — ``accumulate`` over k micro-batches, alone or
     stacked on ``checkpoint-block`` or ``compile``;
   - :mod:`~yardstick.methods.checkmate_dtr_peers` — ``checkmate`` (MILP, HiGHS) and ``dtr``, the

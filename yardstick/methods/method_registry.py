@@ -59,9 +59,9 @@ class Runnable:
     #: the gradients the step's first run used, read after it (a full step consumes its gradients:
     #: its optimizer's states tell them); ``None``: the gradients its result returns
     used_gradients: Callable[[], dict[str, torch.Tensor]] | None = None
-    #: why the live-tensor meter cannot see the step's memory (Inductor's compiled code allocates
-    #: its buffers below the dispatcher): its peak is then the method's simulated one; ``None``: metered
-    unmetered: str | None = None
+    #: whether the step runs code Inductor compiled, whose buffers are allocated below the
+    #: dispatcher, out of the live-tensor meter's sight: the allocator's meter measures it
+    compiled: bool = False
 
 
 @dataclass(frozen=True)

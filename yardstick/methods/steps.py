@@ -61,7 +61,7 @@ def runtime_runnable(
         with scope:
             return run_program(program, subject.built.model, subject.inputs, runtime=run)
 
-    return Runnable(step, subject.built)
+    return Runnable(step, subject.built, compiled=not isinstance(run, str) and bool(run.segments))
 
 
 def planned_steps(
