@@ -7,7 +7,8 @@ would. One metered step per method: on CPU the figure is deterministic. A step t
 runs code Inductor compiled allocates below the dispatcher, where that meter sees
 nothing: its allocator's peak is read instead (on CPU
 :class:`~magis.backend.meter.CpuAllocatorMeter`, which also counts what kernels
-allocate for themselves: a little more than live tensors, never less).
+allocate for themselves: a convolution's scratch is large), and its ratio is to
+eager's peak counted the same way.
 
 Latency: the methods being compared run interleaved, in rounds that bracket every
 method between two steps of the reference (eager PyTorch): R A R B R C R, the
