@@ -357,6 +357,19 @@ def test_a_tried_segment_runs_through_the_peak_and_where_it_loses_the_runs_besid
     assert comparison.same_names and comparison.max_error < 1e-10, comparison
 
 
+def test_a_compiled_step_made_inside_the_callers_profiler_runs_its_ops_as_they_are(tower):
+    """A CPU trial meters through torch.profiler, which cannot nest: inside the caller's own
+    profile no segment is kept (none could be metered), and the step still runs as eager's."""
+    model, batch, graph = tower
+    program = lower(graph, tuple(n.name for n in graph.nodes))
+    with torch.profiler.profile():
+        step = generated_step(program, compile=True, timed_on=torch.device("cpu"))
+        result = run_program(program, model, batch, runtime=step)
+    assert not step.segments
+    comparison = compare_gradients(eager_step(model, batch, mse).gradients, result.gradients)
+    assert comparison.same_names and comparison.max_error < 1e-10, comparison
+
+
 def _rounds_timer(samples: tuple[tuple[float, float], ...]):
     """A stand-in for :func:`~magis.cost.op_timing.time_in_turns` that says the whole steps
     (compiled first) took ``samples`` in paired rounds."""

@@ -213,7 +213,11 @@ class CompiledSegment:
         more memory than they do (:class:`Trial`, on ``args``: inputs like its own, left as
         they are); one Inductor cannot compile is not. The trial is compiled for ``args``'
         layouts; the segment itself still compiles on its first call, for its inputs'
-        (Inductor's cache makes that quick where they agree)."""
+        (Inductor's cache makes that quick where they agree). Inside a profiler the caller runs,
+        a CPU trial cannot meter (its meter reads the profiler): the ops run as they are."""
+        on_cpu = not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        if on_cpu and torch.autograd.profiler._is_profiler_enabled:
+            return False
         try:
             compiled = _inductor_compile(self.module, list(args))
         except Exception:  # as __call__ would fall back: the ops run as they are
