@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from magis.backend.meter import CpuAllocatorMeter, CudaPeakMeter, LiveTensorMeter
+from magis.backend.meter import LiveTensorMeter, allocator_meter
 from magis.backend.runtime import StepResult
 
 #: One training step of a method, run for real. It wraps ``scope`` around the tensor
@@ -112,10 +112,8 @@ def measure_peak(
     which also counts Inductor's buffers."""
     gc.collect()
     resident = list(resident)
-    meter: LiveTensorMeter | CpuAllocatorMeter | CudaPeakMeter = LiveTensorMeter(resident)
-    if compiled:
-        device = next((t.device for t in resident if t.is_cuda), None)
-        meter = CpuAllocatorMeter(resident) if device is None else CudaPeakMeter(device, resident)
+    device = next((t.device for t in resident if t.is_cuda), None)
+    meter = allocator_meter(device, resident) if compiled else LiveTensorMeter(resident)
     torch.manual_seed(seed)
     result = step(meter)
     return meter.peak_bytes, result

@@ -52,7 +52,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from magis.backend.meter import CpuAllocatorMeter, CudaPeakMeter
+from magis.backend.meter import allocator_meter
 from magis.backend.program import Instruction, Program
 from magis.ir.fx import fx_module
 from magis.ir.graph import Graph, Ref
@@ -145,7 +145,7 @@ class Trial:
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
         peaks, held, layouts = {}, {}, {}
         for run in (compiled, ops):
-            with CudaPeakMeter(device) if device is not None else CpuAllocatorMeter() as meter:
+            with allocator_meter(device) as meter:
                 outputs = run(list(args))
             peaks[run] = meter.peak_bytes
             tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)]

@@ -235,14 +235,21 @@ def _cpu_allocations(roots: Iterable[Any]) -> list[tuple[int, int, int, bool]]:
     return found
 
 
+def allocator_meter(
+    device: torch.device | None, resident: Iterable[torch.Tensor] = ()
+) -> CudaPeakMeter | CpuAllocatorMeter:
+    """The allocator's meter of ``device`` (``None``: the CPU): what compiled code is metered by."""
+    if device is not None and device.type == "cuda":
+        return CudaPeakMeter(device, resident)
+    return CpuAllocatorMeter(resident)
+
+
 def peak_meter(
     model: torch.nn.Module, inputs: Iterable[Any], compiled: bool = False
 ) -> LiveTensorMeter | CudaPeakMeter | CpuAllocatorMeter:
     """The right meter for where the model lives, and for a step that runs ``compiled`` code
     (Inductor's buffers: on CPU the allocator's meter, as live tensors cannot show them)."""
-    param = next(model.parameters())
-    if param.device.type == "cuda":
-        return CudaPeakMeter(param.device, resident_tensors(model, inputs))
-    if compiled:
-        return CpuAllocatorMeter(resident_tensors(model, inputs))
+    device = next(model.parameters()).device
+    if device.type == "cuda" or compiled:
+        return allocator_meter(device, resident_tensors(model, inputs))
     return LiveTensorMeter(resident_tensors(model, inputs))
