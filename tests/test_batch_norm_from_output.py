@@ -26,8 +26,10 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 #: the zoo's tiny workloads with batch norm before ReLU (ResNet-50, GoogLeNet) or ReLU6 (MobileNetV2)
 APPLIES = ["resnet50", "googlenet", "mobilenet-v2"]
-#: a repeatable search (its choice by the estimates, which take the rewrite on this net)
-ESTIMATED = {"latency_limit": 1.1, "max_states": 20, "timed": False}
+#: a repeatable search: priced by an analytic profile, not by timings on a machine that may be
+#: busy (under load the measured costs once made the search pass the rewrite by); it takes the
+#: rewrite on this net at this limit
+ESTIMATED = {"latency_limit": 1.3, "max_states": 20, "timed": False, "device": "h100"}
 
 
 def order(graph):
