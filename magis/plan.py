@@ -421,12 +421,14 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
     then timed whole against its generated code, and kept only where clearly faster (:func:`_faster_whole`)."""
     if not compile:
         return generate(program)
+    # a segment's inputs as the step lays them out (the step's graph's are the whole trial's too)
+    step_strides = replay_strides(program.graph, every_op=True) if timed_on is not None else {}
 
     def segments(part: Program, ends: frozenset[str]) -> tuple[CompiledSegment, ...]:
         live = simulate_memory(part.graph, part.order).timeline
         if timed_on is None:
             return compiled_segments(part, live, ends)
-        strides = replay_strides(part.graph, every_op=True)  # a segment's inputs as the step lays them out
+        strides = step_strides if part.graph is program.graph else replay_strides(part.graph, every_op=True)
         timer = partial(time_calls, device=timed_on, repeats=TRIAL_ROUNDS)
 
         def wins(segment: CompiledSegment) -> bool:
@@ -446,13 +448,16 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
     step = generate(program, segments=segments)
     if timed_on is None or not step.segments:
         return step
-    return _faster_whole(step, generate(program), timed_on)
+    return _faster_whole(step, generate(program), step_strides, timed_on)
 
 
-def _faster_whole(compiled: GeneratedStep, plain: GeneratedStep, device: torch.device) -> GeneratedStep:
+def _faster_whole(
+    compiled: GeneratedStep, plain: GeneratedStep, strides: dict[str, NodeStrides], device: torch.device
+) -> GeneratedStep:
     """``compiled`` if it runs faster whole than ``plain`` (the same program without compiled
     segments) and holds no more memory, else ``plain``; either carries the trial
-    (:class:`~magis.backend.compiled.Trial`) as its ``whole_trial``.
+    (:class:`~magis.backend.compiled.Trial`) as its ``whole_trial``; ``strides`` lays out the
+    step's values as it lays them out (:func:`~magis.cost.op_keys.replay_strides`, every op).
 
     Segments that each won their trial can still slow the step they sit in (another segment's
     code evicts theirs from the caches, a layout hands the next op a slower path): BERT small's
@@ -464,7 +469,6 @@ def _faster_whole(compiled: GeneratedStep, plain: GeneratedStep, device: torch.d
     error of the rounds' ratios (:class:`~magis.backend.compiled.Trial`): else it saves less
     than the noise of a step, and generated code is the step whose time the plan predicts."""
     graph = compiled.program.graph
-    strides = replay_strides(graph, every_op=True)
     env = dict(zip(graph.inputs, _random_inputs(graph, graph.inputs, strides, device)))
 
     def call(step: GeneratedStep) -> Callable[[list[Any]], Any]:

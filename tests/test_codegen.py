@@ -342,7 +342,7 @@ def test_a_tried_segment_runs_through_the_peak_and_where_it_loses_the_runs_besid
         return wide_wins or not near(segment)
 
     monkeypatch.setattr(CompiledSegment, "faster_compiled", faster_compiled)
-    monkeypatch.setattr(plan_module, "_faster_whole", lambda compiled, plain, device: compiled)
+    monkeypatch.setattr(plan_module, "_faster_whole", lambda compiled, plain, strides, device: compiled)
     step = generated_step(program, compile=True, timed_on=torch.device("cpu"))
     kept = [(s.start, s.stop) for s in step.segments]
     if wide_wins:
