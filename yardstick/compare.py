@@ -199,7 +199,8 @@ def _measure_all(
     reference = None
     # a compiled step's peak is its allocator's, kernels' scratch included: its ratio is to eager's
     # peak counted so too (measured once, when a compiled row first needs it)
-    allocated: dict[Variant, int] = {}
+    eager_allocated: int | None = None
+    compiled: set[Variant] = set()
     first: tuple[protocol.Step, list[torch.Tensor]] | None = None
     for variant in chosen:
         start = time.perf_counter()
@@ -210,10 +211,10 @@ def _measure_all(
             first = first or (runnable.step, resident)
             peak, result = protocol.measure_peak(runnable.step, resident, seed, runnable.compiled)
             if runnable.compiled:
-                if chosen[0] not in allocated:
-                    allocated[chosen[0]] = protocol.measure_peak(*first, seed, compiled=True)[0]
-                allocated[variant] = allocated[chosen[0]]
-                counted = {"peak": "the allocator's (compiled code)", "eager_allocated_bytes": allocated[variant]}
+                if eager_allocated is None:
+                    eager_allocated = protocol.measure_peak(*first, seed, compiled=True)[0]
+                compiled.add(variant)
+                counted = {"peak": "the allocator's (compiled code)", "eager_allocated_bytes": eager_allocated}
                 details[variant] = {**(details[variant] or {}), **counted}
         except MethodUnavailable as err:
             _skip(comparison, variant, err, chosen[0], say)
@@ -251,7 +252,7 @@ def _measure_all(
                 variant.name,
                 peaks[variant],
                 timed.spread.median,
-                peaks[variant] / allocated.get(variant, peaks[chosen[0]]),
+                peaks[variant] / (eager_allocated if variant in compiled else peaks[chosen[0]]),
                 ratio.value,
                 True,
                 variant.method.kind,

@@ -102,6 +102,12 @@ class GeneratedStep:
         return env
 
 
+def runs_compiled_code(runtime: object) -> bool:
+    """Whether ``runtime`` (a step runner, or a runtime's name) is generated code with compiled
+    segments: code whose buffers only its allocator's meter sees (:mod:`magis.backend.meter`)."""
+    return isinstance(runtime, GeneratedStep) and bool(runtime.segments)
+
+
 def generate(program: Program, name: str = "step", segments: SegmentsOf | None = None) -> GeneratedStep:
     """The program as one compiled Python function (module docstring); ``segments`` gives the
     segments (:mod:`magis.backend.compiled`) of the step's program and of each region's part,

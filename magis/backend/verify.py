@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from magis.backend.codegen import GeneratedStep
+from magis.backend.codegen import runs_compiled_code
 from magis.backend.eager import (
     GRADIENT_TOLERANCE,
     NOISE_FLOOR,
@@ -90,7 +90,7 @@ def run_both(
     inputs = BatchSpec.of(batch).tensors(batch)
     constants = [n.target.value for n in graph.nodes if n.role is Role.CONSTANT]
     # a compiled step's buffers are seen by its allocator only: eager is then metered so too
-    compiled = isinstance(runtime, GeneratedStep) and bool(runtime.segments)
+    compiled = runs_compiled_code(runtime)
     with _model_kept(model) as before, forked_rng(model):
         # forked again: the graph draws from the model's own generators where eager's run began
         with forked_rng(model), peak_meter(model, inputs, compiled) if measure else _Unmeasured() as eager_meter:

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from magis.backend.codegen import runs_compiled_code
 from magis.backend.eager import eager_step
 from magis.backend.program import lower
 from magis.backend.runtime import StepResult, run_program
@@ -61,7 +62,7 @@ def runtime_runnable(
         with scope:
             return run_program(program, subject.built.model, subject.inputs, runtime=run)
 
-    return Runnable(step, subject.built, compiled=not isinstance(run, str) and bool(run.segments))
+    return Runnable(step, subject.built, compiled=runs_compiled_code(run))
 
 
 def planned_steps(
