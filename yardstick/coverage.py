@@ -24,7 +24,8 @@ one :class:`Verdict`:
 With ``plan=True`` a passing architecture is also planned as a user would plan it
 (:func:`magis.optimize` within :data:`PLAN_SEARCH`'s latency limit, a short search) and the
 plan called once beside eager: a search that fails, or a plan whose gradients differ from
-eager's, is ``wrong`` too (a rule the search applies to that model breaks it).
+eager's, is ``wrong`` too (a rule the search applies to that model breaks it). The step is then
+captured once, by the search: the captured step checked is the plan's ``baseline``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from magis.backend.eager import GRADIENT_TOLERANCE
 from magis.cost.memory import simulate_memory
 from magis.frontend.capture import CaptureError, capture
 from magis.models.workloads import HFTask, transformers_module
+from magis.plan import Plan
 
 #: largest relative difference of simulated to measured peak that counts as equal
 PEAK_TOLERANCE = 0.02
@@ -347,7 +349,8 @@ def check(arch: Architecture, seed: int = 0, plan: bool = False) -> Verdict:
     else:
         return _timed(verdict, start)
     try:
-        graph = capture(model, inputs)
+        planned = _plan(model, inputs) if plan else None
+        graph = planned.baseline if isinstance(planned, Plan) else capture(model, inputs)
     except CaptureError as err:
         verdict.status, verdict.cause = "refused", cause_of(str(err))
         return _timed(verdict, start)
@@ -372,16 +375,30 @@ def check(arch: Architecture, seed: int = 0, plan: bool = False) -> Verdict:
         verdict.status, verdict.cause = "wrong", f"simulated peak off the measured one by {peak_error:.1%}"
     else:
         verdict.status = "pass"
-        if plan:
-            _check_plan(verdict, model, inputs, seed, GRADIENT_TOLERANCE[dtype])
+        if planned is not None:
+            _check_plan(verdict, planned, model, inputs, seed, GRADIENT_TOLERANCE[dtype])
     return _timed(verdict, start)
 
 
-def _check_plan(verdict: Verdict, model: nn.Module, inputs: tuple, seed: int, tolerance: float) -> None:
-    """The plan a user gets (:data:`PLAN_SEARCH`), run beside eager from ``seed`` as
-    ``magis optimize --run`` runs it."""
+def _plan(model: nn.Module, inputs: tuple) -> Plan | Exception:
+    """The plan a user gets (:data:`PLAN_SEARCH`), or why the search failed once the capture
+    passed. Not checked by :func:`magis.optimize` against eager (``verify=False``): :func:`check`
+    compares its captured step, ``plan.baseline``, itself; a capture error is raised."""
     try:
-        planned = optimize(model, inputs, progress=False, **PLAN_SEARCH)
+        return optimize(model, inputs, progress=False, verify=False, **PLAN_SEARCH)
+    except CaptureError:
+        raise
+    except Exception as err:  # the capture passed: whatever fails now is the search's
+        return err
+
+
+def _check_plan(
+    verdict: Verdict, planned: Plan | Exception, model: nn.Module, inputs: tuple, seed: int, tolerance: float
+) -> None:
+    """The plan run beside eager from ``seed`` as ``magis optimize --run`` runs it."""
+    try:
+        if isinstance(planned, Exception):
+            raise planned
         measured = measure_against_eager(
             planned.graph, planned.order, model, inputs, None, seed, runtime=planned.generated
         )
