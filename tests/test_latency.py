@@ -602,3 +602,27 @@ def test_replaying_every_op_on_meta_gives_each_value_the_layout_a_real_run_gives
     }
     views_only = replay_strides(graph)
     assert any(views_only[name] != strides for name, strides in real.items())  # the case that needs it
+
+
+def test_an_operator_keeps_its_key_while_its_inputs_keep_their_layout(tmp_path: Path) -> None:
+    """The keys a profiled model remembers by node: the same ``unsqueeze`` and ``relu`` nodes,
+    priced in a graph where the unsqueezed value is a transpose and in one where it is a
+    contiguous copy of another tensor, get each graph's own keys (those :func:`op_key` gives):
+    the ``relu``'s input is the same node in both, in another layout."""
+    meta, unsqueezed = TensorMeta((6, 4), torch.float32, 96), TensorMeta((1, 6, 4), torch.float32, 96)
+    x = Node("x", None, outputs=(TensorMeta((4, 6), torch.float32, 96),), aliases=(None,), role=Role.INPUT)
+    w = Node("w", None, outputs=(meta,), aliases=(None,), role=Role.INPUT)
+    transposed = Node("v", torch.ops.aten.t.default, (Ref("x"),), outputs=(meta,), aliases=((0, 0),))
+    copied = Node("v", torch.ops.aten.clone.default, (Ref("w"),), outputs=(meta,), aliases=(None,))
+    view = Node("y", torch.ops.aten.unsqueeze.default, (Ref("v"), 0), outputs=(unsqueezed,), aliases=((0, 0),))
+    relu = Node("z", torch.ops.aten.relu.default, (Ref("y"),), outputs=(unsqueezed,), aliases=(None,))
+    first = Graph((x, w, transposed, view, relu), outputs=("z",))
+    second = Graph((x, w, copied, view, relu), outputs=("z",))
+    model = ProfiledCostModel(cache_path=tmp_path / "latency.json", repeats=2, estimate_unseen=True)
+    keys = []
+    for graph in (first, second, first):
+        strides = replay_strides(graph)
+        expected = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
+        keys.append(model._keys(graph, strides))
+        assert keys[-1] == expected
+    assert keys[0]["z"] != keys[1]["z"]

@@ -70,6 +70,9 @@ IN_STEP_MEMORY_SHARE = 0.25
 #: an operator estimated from its kin at more than this is timed alone, and so is its kin
 #: (:meth:`ProfiledCostModel._checked_estimates`)
 CHECK_ESTIMATE_S = 1e-3
+#: nodes whose op keys a profiled cost model keeps (:meth:`ProfiledCostModel._keys`): a few
+#: hundred megabytes at most, some hundred graphs of a search at paper size
+OP_KEYS_HELD = 200_000
 
 
 class CostModel(Protocol):
@@ -400,6 +403,9 @@ class ProfiledCostModel:
         self._kin_sources: dict[str, tuple[Graph, str, dict[str, NodeStrides]]] = {}
         self._graph_seconds: WeakKeyDictionary[Graph, dict[str, float]] = WeakKeyDictionary()
         self._fallback: AnalyticCostModel | None = None
+        #: id(node) -> (node, its inputs' nodes and layouts, its op key): the graphs a search
+        #: prices share almost all their nodes, and a node's key depends on these alone
+        self._op_keys: dict[int, tuple[Node, tuple[tuple[Node, NodeStrides], ...], str]] = {}
 
     def node_seconds(self, graph: Graph, name: str) -> float:
         seconds = self._graph_seconds.get(graph)
@@ -462,7 +468,7 @@ class ProfiledCostModel:
         """Seconds of every node of ``graph``: the operators not cached yet are timed
         (in their step, then alone), or estimated from their kin (class docstring)."""
         strides = replay_strides(graph)
-        keys = {n.name: op_key(graph, n.name, strides) for n in graph.nodes if measurable(n)}
+        keys = self._keys(graph, strides)
         step_keys = self._step_keys(graph, keys)
         unseen = {
             name
@@ -485,6 +491,30 @@ class ProfiledCostModel:
                     self.kin.add(kin_key, self.fallback.node_seconds(graph, name), seconds[name])
                     self._kin_sources.setdefault(kin_key, (graph, name, strides))
         return seconds
+
+    def _keys(self, graph: Graph, strides: dict[str, NodeStrides]) -> dict[str, str]:
+        """:func:`~magis.cost.op_keys.op_key` of every measurable node of ``graph``, each made
+        once per node and layout of its inputs (on a GRU unrolled to 5,000 nodes, making them
+        anew took half of the search's pricing). The memory of them is forgotten past
+        :data:`OP_KEYS_HELD` nodes, so that a long search holds no more."""
+        if len(self._op_keys) > OP_KEYS_HELD:
+            self._op_keys.clear()
+        keys: dict[str, str] = {}
+        for node in graph.nodes:
+            if not measurable(node):
+                continue
+            inputs = tuple((graph[name], strides[name]) for name in node.inputs)
+            known = self._op_keys.get(id(node))
+            if (
+                known is not None
+                and known[0] is node
+                and all(a is b and a_strides == b_strides for (a, a_strides), (b, b_strides) in zip(known[1], inputs))
+            ):
+                keys[node.name] = known[2]
+                continue
+            keys[node.name] = op_key(graph, node.name, strides)
+            self._op_keys[id(node)] = (node, inputs, keys[node.name])
+        return keys
 
     def _checked_estimates(
         self, graph: Graph, keys: dict[str, str], strides: dict[str, NodeStrides], estimates: dict[str, float]
