@@ -9,10 +9,12 @@ a mapping of keyword arguments, or one tensor) and ``loss_fn(output)`` or their 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -238,8 +240,9 @@ def optimize(
     deterministic: same inputs, seed, limits and operator timings give the same plan, and
     with ``timed=False`` the same choice, which timing whole plans may change); it runs with
     torch's generator seeded with ``seed`` and leaves the caller's generator as it
-    was; ``progress`` shows a bar with the best peak and latency so far and the states
-    explored (``progress=False``: nothing is printed). A limit no plan meets raises
+    was; ``progress`` prints a line as the capture and the check against eager start and end,
+    then shows a bar with the best peak and latency so far and the states explored
+    (``progress=False``: nothing is printed). A limit no plan meets raises
     :class:`~magis.plan.InfeasibleLimit`, whose ``best`` is the best plan found.
 
     ``optimizer`` (the whole step, :mod:`magis.frontend.optimizer`): ``plan(*batch)`` also
@@ -299,15 +302,18 @@ def optimize(
         spec.refuse_gradients(batch)
     with forked_rng(model):
         torch.manual_seed(seed)
-        if inference:
-            captured = capture_forward(model, batch)
-            graph, grad_seed = captured.graph, None
-        else:
-            captured = capture_timed(model, batch, loss_fn, training_step=training_step)
-            device_of_seed = torch.device("cpu") if fake else next(model.parameters()).device
-            graph, grad_seed = with_grad_seed(captured.graph, device_of_seed)
+        captures = "the forward" if inference else "the step (forward, loss, backward)"
+        with _stage(progress, f"capturing {captures}", "captured"):
+            if inference:
+                captured = capture_forward(model, batch)
+                graph, grad_seed = captured.graph, None
+            else:
+                captured = capture_timed(model, batch, loss_fn, training_step=training_step)
+                device_of_seed = torch.device("cpu") if fake else next(model.parameters()).device
+                graph, grad_seed = with_grad_seed(captured.graph, device_of_seed)
         graph = _with_device_workspaces(graph, model, fake)
-        verification = _verification(graph, model, batch, step, seed, verify)
+        with _stage(progress and verify and not fake, f"checking its {len(graph):,} nodes against eager", "checked"):
+            verification = _verification(graph, model, batch, step, seed, verify)
         # as the capture and the check left it
         conditions = Conditions.of(model, gradients=not inference, step=(loss_fn, training_step))
         if optimizer is not None and unplanned_reason(optimizer) is None:
@@ -432,6 +438,19 @@ def _calls_timer(plan: Plan, batch: Any, model: ProfiledCostModel) -> TimeSteps:
             return time_in_turns(calls, model.device, model.in_step_runs, max_seconds - (time.perf_counter() - started))
 
     return time_steps
+
+
+@contextlib.contextmanager
+def _stage(progress: bool, doing: str, done: str) -> Iterator[None]:
+    """With ``progress``, a line on stderr for a stage that shows no bar of its own (capturing a
+    large model takes a minute): what it does as it starts, and its seconds once done."""
+    if not progress:
+        yield
+        return
+    print(f"magis: {doing}...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"magis: {done} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _with_device_workspaces(graph: Graph, model: torch.nn.Module, fake: bool) -> Graph:

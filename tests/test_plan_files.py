@@ -176,6 +176,18 @@ def test_progress_false_prints_nothing(capfd):
     assert cost_model("cpu", progress=False).progress is False  # the operator-timing bar is off too
 
 
+def test_progress_names_the_stages_before_the_search_and_their_seconds(capfd):
+    """Capturing a large model takes a minute before any bar: a line says what runs, and how long it took."""
+    model, x = mlp()
+    magis.optimize(model, (x,), memory_limit=0.6, **{**OPTIONS, "progress": True})
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("magis: ") and "search" not in line]
+    assert lines[0] == "magis: capturing the step (forward, loss, backward)..."
+    assert re.fullmatch(r"magis: captured in \d+\.\d s", lines[1])
+    assert re.fullmatch(r"magis: checking its \d+ nodes against eager\.\.\.", lines[2])
+    assert re.fullmatch(r"magis: checked in \d+\.\d s", lines[3])
+
+
 def test_a_models_code_is_recorded_alike_in_processes_of_other_string_hash_seeds(tmp_path):
     """A plan file records the code of the model's classes; another process must read the same
     code as the same (a set literal in a method compiles to a frozenset, ordered by the string
