@@ -112,30 +112,23 @@ def _batches(make: Callable[[], tuple[torch.Tensor, ...]]) -> Batches:
     return [make() for _ in range(3)]
 
 
-CASES: dict[str, tuple[Callable[[], nn.Module], Callable, Callable[[], Batches], Callable]] = {
-    "spectral-norm": (
-        SpectralNormRegressor,
-        _regression,
-        lambda: _batches(lambda: (torch.randn(6, 8), torch.randn(6))),
-        lambda p: torch.optim.Adam(p, 1e-2),
-    ),
-    "weight-norm": (
-        WeightNormRegressor,
-        _regression,
-        lambda: _batches(lambda: (torch.randn(6, 8), torch.randn(6))),
-        lambda p: torch.optim.SGD(p, 0.1, momentum=0.9),
-    ),
+Case = tuple[Callable[[], nn.Module], Callable, Callable[[], Batches], Callable]
+
+
+def _regressor(build: Callable[[], nn.Module], width: int, make_optimizer: Callable) -> Case:
+    """A module regressing one number from ``width`` features, on batches of six."""
+    return build, _regression, lambda: _batches(lambda: (torch.randn(6, width), torch.randn(6))), make_optimizer
+
+
+CASES: dict[str, Case] = {
+    "spectral-norm": _regressor(SpectralNormRegressor, 8, lambda p: torch.optim.Adam(p, 1e-2)),
+    "weight-norm": _regressor(WeightNormRegressor, 8, lambda p: torch.optim.SGD(p, 0.1, momentum=0.9)),
+    "user-checkpoint": _regressor(CheckpointedBlocks, 16, lambda p: torch.optim.AdamW(p, 1e-2)),
     "causal-encoder": (
         CausalEncoderLM,
         _language_model,
         lambda: _batches(lambda: (torch.randint(0, 40, (4, 12)), torch.randint(0, 40, (4, 12)))),
         lambda p: torch.optim.AdamW(p, 1e-3, weight_decay=0.1),
-    ),
-    "user-checkpoint": (
-        CheckpointedBlocks,
-        _regression,
-        lambda: _batches(lambda: (torch.randn(6, 16), torch.randn(6))),
-        lambda p: torch.optim.AdamW(p, 1e-2),
     ),
     "noise-in-step": (
         FlowMatching,
