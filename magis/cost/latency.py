@@ -70,8 +70,8 @@ IN_STEP_MEMORY_SHARE = 0.25
 #: an operator estimated from its kin at more than this is timed alone, and so is its kin
 #: (:meth:`ProfiledCostModel._checked_estimates`)
 CHECK_ESTIMATE_S = 1e-3
-#: nodes whose op keys a profiled cost model keeps (:meth:`ProfiledCostModel._keys`): a few
-#: hundred megabytes at most, some hundred graphs of a search at paper size
+#: nodes whose op keys a profiled cost model keeps (:meth:`ProfiledCostModel._keys`): some tens of
+#: graphs at paper size (Echo's NMT: 13,526 nodes), the nodes of most of them shared
 OP_KEYS_HELD = 200_000
 
 
