@@ -445,10 +445,13 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
                 kept += [s for s in inside if wins(s)]
         return tuple(kept)
 
-    step = generate(program, segments=segments)
-    if timed_on is None or not step.segments:
-        return step
-    return _faster_whole(step, generate(program), step_strides, timed_on)
+    if timed_on is None:
+        return generate(program, segments=segments)
+    # the trials' random inputs come from a forked stream: the caller's generators stay as they
+    # were, so the step's own draws (dropout) after its first call are eager's
+    with torch.random.fork_rng(devices=[timed_on] if timed_on.type == "cuda" else []):
+        step = generate(program, segments=segments)
+        return _faster_whole(step, generate(program), step_strides, timed_on) if step.segments else step
 
 
 def _faster_whole(
@@ -464,8 +467,8 @@ def _faster_whole(
     plan at 0.8 of eager's peak ran 1.054 of eager's step with its winning segments compiled and
     1.003 as generated code (issue #30's yardstick, 2026-11-29). The whole steps run on random
     inputs laid out as the step lays them out, in :data:`WHOLE_TRIAL_ROUNDS` paired rounds
-    (:func:`~magis.cost.op_timing.time_in_turns`), drawing no number from the caller's
-    generators; the compiled step is kept only where it is faster by more than the standard
+    (:func:`~magis.cost.op_timing.time_in_turns`; the caller forks the generators they draw
+    from); the compiled step is kept only where it is faster by more than the standard
     error of the rounds' ratios (:class:`~magis.backend.compiled.Trial`): else it saves less
     than the noise of a step, and generated code is the step whose time the plan predicts."""
     graph = compiled.program.graph
@@ -475,11 +478,10 @@ def _faster_whole(
         return lambda args: step(dict(args[0]))  # a step frees what it reads from its own copy
 
     runs = [call(compiled), call(plain)]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for run in runs:
-            run([env])  # warm-up: a compiled segment's code loads on its first call in a step
-        timed = time_in_turns([partial(run, [env]) for run in runs], device, WHOLE_TRIAL_ROUNDS, WHOLE_TRIAL_SECONDS)
-        trial = Trial.metered(*runs, [env], *timed.seconds, *timed.ratio(0, 1))
+    for run in runs:
+        run([env])  # warm-up: a compiled segment's code loads on its first call in a step
+    timed = time_in_turns([partial(run, [env]) for run in runs], device, WHOLE_TRIAL_ROUNDS, WHOLE_TRIAL_SECONDS)
+    trial = Trial.metered(*runs, [env], *timed.seconds, *timed.ratio(0, 1))
     return replace(compiled if trial.compiled_wins else plain, whole_trial=trial)
 
 
