@@ -159,6 +159,7 @@ def _measured(plan: magis.Plan, model: torch.nn.Module, batch: tuple, reference:
         "gradient_mismatch": None if versus.same_names else versus.describe(),
         "transformations": {k: len(v) for k, v in report["transformations"].items()},
         "compile_fallbacks": report["runtime"].get("fallbacks"),
+        "runtime_report": report["runtime"],  # compiled: segments kept, the whole step's trial
         "graphs": graphs,
     }
 
