@@ -471,6 +471,22 @@ def test_the_trials_of_a_timed_compiled_plan_leave_the_callers_random_stream_to_
     torch.testing.assert_close(loss, mse(model(x)), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+def test_a_whole_step_trial_meters_the_allocator_of_the_device_its_inputs_live_on(device: str):
+    """A whole step's inputs reach its trial as one mapping (the step's environment): its peaks
+    are that device's allocator's. On CUDA they were read by the CPU's allocator, which saw
+    nothing of the step: the whole step's memory check passed whatever it held."""
+    env = {"x": torch.randn(512, 512, device=device)}
+
+    def step(args: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return (args[0]["x"] @ args[0]["x"]).sum()  # a 1 MiB product, freed before it returns
+
+    trial = Trial.metered(step, step, [env], 1.0, 2.0)
+    assert trial.compiled_peak >= 2**20 and trial.ops_peak >= 2**20
+
+
 def test_a_trial_keeps_the_compiled_segment_only_where_it_wins_on_time_and_memory():
     faster = Trial(compiled_s=1.0, ops_s=2.0, compiled_peak=10, ops_peak=10, compiled_held=5, ops_held=5)
     assert faster.compiled_wins

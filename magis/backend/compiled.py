@@ -142,7 +142,9 @@ class Trial:
     ) -> Trial:
         """The trial of ``compiled`` against ``ops`` timed as given: each run once more on
         ``args``, metered, for its peak, the bytes its outputs hold and their layouts."""
-        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        # a whole step's args are one mapping of its inputs: the device is read from the leaves (read
+        # from ``args`` alone, a CUDA step was metered by the CPU's allocator, which saw none of it)
+        device = next((a.device for a in tree_leaves(list(args)) if isinstance(a, torch.Tensor) and a.is_cuda), None)
         peaks, held, layouts = {}, {}, {}
         for run in (compiled, ops):
             with allocator_meter(device) as meter:
