@@ -279,11 +279,12 @@ def plot(payload: dict[str, Any], path: str) -> None:
             ("compile@1", [compiled.get(n, {}).get("step_ratio", float("nan")) for n in names]),
         ],
     }
+    colors = {label: f"C{i}" for i, (label, _) in enumerate(bars["step"])}  # one colour per series in both panels
     fig = Figure(figsize=(11, 4))
     for ax, (what, series) in zip(fig.subplots(1, 2), bars.items()):
         width = 0.8 / len(series)
         for i, (label, values) in enumerate(series):
-            ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+            ax.bar([x + i * width for x in range(len(names))], values, width, label=label, color=colors[label])
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=20)
         ax.set_ylabel(f"{what} / eager's")
