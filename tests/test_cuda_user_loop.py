@@ -1,7 +1,8 @@
 """A user's own loop on a CUDA GPU, as they would write it: their model and optimizer, a data
 set whose last batch is short, ``compile=True`` (each segment tried against its operators on
-the GPU, the whole step against its generated code), mixed precision with a ``GradScaler``.
-The plans train as eager does. Skipped without a CUDA device (CI has none; run on a lent GPU)."""
+the GPU, the whole step against its generated code). The plans train as eager does (float16
+with a ``GradScaler`` on CUDA: ``tests/test_user_hunt3.py``). Skipped without a CUDA device (CI
+has none; run on a lent GPU)."""
 
 from __future__ import annotations
 
@@ -78,28 +79,3 @@ def test_a_compiled_plan_with_the_optimizer_inside_trains_as_eager_on_cuda(tmp_p
     assert runtime["name"] == "compiled" and runtime["segments"] > 0
     # an update inside the step reads its step count and learning rate on the host: no graph
     assert "optimizer" in runtime["cuda_graph"]["fallback"]
-
-
-@cuda
-def test_a_grad_scaler_steps_a_half_precision_plan_as_it_steps_eager_on_cuda():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 10)).cuda()
-    twin = copy.deepcopy(model)
-    x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
-    with torch.autocast("cuda", dtype=torch.float16):
-        plan = magis.optimize(model, (x, y), training_step=classify, time_budget=2, progress=False)
-    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, twin)]
-    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**14) for _ in range(2)]
-    for _ in range(3):
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = plan(x, y, grad_scale=scalers[0])
-            eager_loss = classify(twin, x, y)
-        scalers[1].scale(eager_loss).backward()
-        torch.testing.assert_close(loss, eager_loss.detach())
-        for scaler, optimizer in zip(scalers, optimizers):
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-    assert scalers[0].get_scale() == scalers[1].get_scale()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, msg=name)

@@ -227,16 +227,23 @@ def _classifier_and_twin() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Te
     return model, copy.deepcopy(model), torch.randn(6, 8), torch.randint(0, 4, (6,))
 
 
-def test_a_grad_scaler_given_as_it_is_steps_the_plan_as_it_steps_eager() -> None:
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", torch.bfloat16),
+        pytest.param("cuda", torch.float16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+    ],
+)
+def test_a_grad_scaler_given_as_it_is_steps_the_plan_as_it_steps_eager(device: str, dtype: torch.dtype) -> None:
     # docs/usage.md said grad_scale=scaler.get_scale(): a number, which leaves the scaler's scale
     # tensor unmade, and the first scaler.step(optimizer) failed ("_scale is None")
-    model, eager, x, y = _classifier_and_twin()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    model, eager, x, y = (t.to(device) for t in _classifier_and_twin())
+    with torch.autocast(device, dtype=dtype):
         plan = magis.optimize(model, (x, y), training_step=_classify, time_budget=1, progress=False)
     optimizers = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, eager)]
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0**10) for _ in range(2)]
     for _ in range(3):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=dtype):
             loss = plan(x, y, grad_scale=scalers[0])
             eager_loss = _classify(eager, x, y)
         scalers[1].scale(eager_loss).backward()
@@ -245,6 +252,7 @@ def test_a_grad_scaler_given_as_it_is_steps_the_plan_as_it_steps_eager() -> None
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+    assert scalers[0].get_scale() == scalers[1].get_scale()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, msg=name)
 
