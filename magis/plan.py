@@ -48,7 +48,7 @@ from magis.backend.codegen import GeneratedStep, generate
 from magis.backend.compiled import CompiledSegment, Trial, compiled_segments
 from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
-from magis.backend.runtime import RUNTIMES, ModuleInputs, Runtime, StepRunner, run_program
+from magis.backend.runtime import RUNTIMES, ModuleInputs, ModuleTensors, Runtime, StepRunner, run_program
 from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
@@ -214,10 +214,8 @@ class Plan:
             )
         if in_plan is not None:
             in_plan._opt_called = True  # what optimizer.step() sets: an LR scheduler checks it was stepped
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for name, gradient in result.gradients.items():
-                param = params[name]
+        with torch.no_grad():  # result.gradients is in the signature's order, as _gradient_params
+            for param, gradient in zip(self._gradient_params.current(), result.gradients.values(), strict=True):
                 if param.grad is None:
                     param.grad = gradient if _owns_storage(gradient, param) else gradient.clone()
                 else:
@@ -229,6 +227,12 @@ class Plan:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return self.step_output.rebuild(result.loss, result.outputs)
+
+    @cached_property
+    def _gradient_params(self) -> ModuleTensors:
+        """The parameters the step returns gradients of, found in the model at each call without a
+        walk of every module (the 95 of a tiny ResNet-50 took 0.25 ms a call to walk, on a CPU)."""
+        return ModuleTensors(self.model, [(name, "_parameters") for name in self.graph.signature.gradients])
 
     @cached_property
     def _generators(self) -> tuple[torch.Generator, ...]:

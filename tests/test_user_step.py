@@ -649,3 +649,23 @@ def test_a_single_tensor_batch_and_a_model_on_fake_tensors():
 
 def _no_search(*args, **kwargs):
     raise AssertionError("reached the search or the runtime")
+
+
+def test_a_parameter_set_anew_between_calls_gets_the_next_calls_gradient():
+    """The plan finds the parameters it hands gradients to at each call: one replaced since
+    (``load_state_dict(..., assign=True)``, a checkpoint loaded in place) gets the gradient,
+    eager's, and the replaced one keeps what it had."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    plan = magis.optimize(model, (x,), lambda out: out.pow(2).mean(), time_budget=1, progress=False)
+    plan(x)
+    replaced, first = model[0].weight, model[0].weight.grad.clone()
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()}, assign=True)
+    twin.load_state_dict(model.state_dict())
+    plan(x)
+    twin(x).pow(2).mean().backward()
+    assert model[0].weight is not replaced and torch.equal(replaced.grad, first)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

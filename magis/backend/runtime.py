@@ -134,6 +134,21 @@ class ModuleInputs:
             self._refuse(found)
         return dict(zip(self.nodes, map(torch.Tensor.detach, found)))
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers that the graph reads (every buffer a step updates), by name, now."""
+        return {
+            name: tensor
+            for (name, kind), tensor in zip(self.tensors.names, self.tensors.current())
+            if kind == "_buffers"
+        }
+
+    @staticmethod
+    def of(graph: Graph, model: torch.nn.Module, found: ModuleInputs | None) -> ModuleInputs:
+        """``found`` where it binds ``graph`` to ``model``, else those inputs found anew."""
+        if found is None or found.graph is not graph or found.tensors.model is not model:
+            return ModuleInputs(graph, model)
+        return found
+
     def _refuse(self, found: list[torch.Tensor | None]) -> None:
         """Raise :class:`RuntimeBindError` for the first tensor missing or unlike the graph's."""
         for node, (name, kind), tensor in zip(self.nodes, self.tensors.names, found):
@@ -160,9 +175,7 @@ def bind(
     ``module_inputs``: the graph's parameters and buffers found in ``model`` before, by a
     caller that binds it at every step (found here where not given, or made for another)."""
     sig = graph.signature
-    if module_inputs is None or module_inputs.graph is not graph or module_inputs.tensors.model is not model:
-        module_inputs = ModuleInputs(graph, model)
-    env: dict[str, Any] = module_inputs.bound()
+    env: dict[str, Any] = ModuleInputs.of(graph, model, module_inputs).bound()
     flat = [x for x in example_inputs]
     if len(flat) != len(sig.user_inputs):
         raise RuntimeBindError(f"the graph takes {len(sig.user_inputs)} inputs, got {len(flat)}")
@@ -246,6 +259,7 @@ def run_program(
     program's step made once (:data:`StepRunner`) by the caller who runs it many times, as
     ``module_inputs`` are the program's parameters and buffers found in ``model`` (:func:`bind`)."""
     graph = program.graph
+    module_inputs = ModuleInputs.of(graph, model, module_inputs)
     env = bind(graph, model, example_inputs, optimizer, module_inputs)
     if callable(runtime):
         runtime(env)
@@ -263,7 +277,7 @@ def run_program(
         outputs=tuple(env[n] for n in sig.results),
     )
     if apply_buffer_updates and result.buffer_updates:
-        buffers = dict(model.named_buffers(remove_duplicate=False))
+        buffers = module_inputs.buffers()  # not named_buffers(): a walk of every module at every step
         with torch.no_grad():
             for name, new in result.buffer_updates.items():
                 buffers[name].copy_(new)
