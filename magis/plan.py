@@ -49,7 +49,7 @@ from magis.backend.compiled import CompiledSegment, Trial, compiled_segments
 from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
 from magis.backend.runtime import RUNTIMES, ModuleInputs, ModuleTensors, Runtime, StepRunner, run_program
-from magis.backend.verify import Verification
+from magis.backend.verify import Verification, forked_generators
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.cost.op_keys import NodeStrides, replay_strides
@@ -236,9 +236,7 @@ class Plan:
 
     @cached_property
     def _generators(self) -> tuple[torch.Generator, ...]:
-        """The generators the graph draws from (a module's own, or torch's default passed by hand)."""
-        found = (n.target.value for n in self.graph.nodes if n.role is Role.CONSTANT)
-        return tuple({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
+        return graph_generators(self.graph)
 
     def _check_generators(self) -> None:
         """A ``ValueError`` where a generator the graph draws from is no longer the model's: a
@@ -451,9 +449,11 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
 
     if timed_on is None:
         return generate(program, segments=segments)
-    # the trials' random inputs come from a forked stream: the caller's generators stay as they
-    # were, so the step's own draws (dropout) after its first call are eager's
-    with torch.random.fork_rng(devices=[timed_on] if timed_on.type == "cuda" else []):
+    # the trials draw random inputs and run the step's random ops: the caller's generators (the
+    # devices' and any module's own the step draws from) are left as they were, so the step's
+    # draws (dropout) at the call that made the trials are eager's
+    cuda = [timed_on.index or 0] if timed_on.type == "cuda" else []
+    with forked_generators(graph_generators(program.graph), cuda):
         step = generate(program, segments=segments)
         return _faster_whole(step, generate(program), step_strides, timed_on) if step.segments else step
 
@@ -487,6 +487,12 @@ def _faster_whole(
     timed = time_in_turns([partial(run, [env]) for run in runs], device, WHOLE_TRIAL_ROUNDS, WHOLE_TRIAL_SECONDS)
     trial = Trial.metered(*runs, [env], *timed.seconds, *timed.ratio(0, 1))
     return replace(compiled if trial.compiled_wins else plain, whole_trial=trial)
+
+
+def graph_generators(graph: Graph) -> tuple[torch.Generator, ...]:
+    """The generators ``graph`` draws from (a module's own, or torch's default passed by hand), each once."""
+    found = (n.target.value for n in graph.nodes if n.role is Role.CONSTANT)
+    return tuple({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
 
 
 def _random_inputs(

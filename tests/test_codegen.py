@@ -455,20 +455,33 @@ def test_the_trials_of_a_timed_compiled_plan_leave_the_callers_random_stream_to_
     monkeypatch: pytest.MonkeyPatch,
 ):
     """The first call of a timed compiled plan tries its segments and its whole step on random
-    inputs; they draw from a forked stream, so the step's dropout under the caller's seed draws
-    eager's masks (they drew from the caller's generator: a user's convnet with ``Dropout2d``
-    took a loss 0.2% off eager's at its first step, and trained apart from there)."""
+    inputs and runs the step's random ops; the caller's generators and the model's own are left
+    as they were, so the step's dropout and noise under the caller's seeds draw eager's numbers
+    (the trials drew from them: a user's convnet with ``Dropout2d`` took a loss 0.2% off eager's
+    at its first step, and trained apart from there)."""
     monkeypatch.setattr(plan_module, "time_calls", lambda fns, device, repeats: [1.0, 2.0])
     monkeypatch.setattr(plan_module, "time_in_turns", _rounds_timer(((1.0, 2.0), (1.0, 2.0), (1.0, 2.0))))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.3), nn.Linear(64, 1)).double()
+    noise = OwnNoise()
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.3), noise, nn.Linear(64, 1)).double()
     x = torch.randn(64, 32, dtype=torch.float64)
     plan = magis.optimize(model, (x,), mse, compile=True, device="h200", max_states=6, progress=False)
-    torch.manual_seed(7)
+    torch.manual_seed(7), noise.generator.manual_seed(8)
     loss = plan(x)
     assert plan.report().runtime["segments"] > 0  # trials ran, each on random inputs
-    torch.manual_seed(7)
+    torch.manual_seed(7), noise.generator.manual_seed(8)
     torch.testing.assert_close(loss, mse(model(x)), rtol=1e-12, atol=0)
+
+
+class OwnNoise(nn.Module):
+    """Noise from the module's own generator, which the whole-step trial's runs draw from too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
 
 
 @pytest.mark.parametrize(

@@ -493,10 +493,16 @@ def forked_rng(model: torch.nn.Module) -> Iterator[None]:
     """The generators of the CPU and of the model's CUDA devices, and the model's own
     (:func:`~magis.frontend.capture.model_generators`), restored afterwards."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    generators = model_generators(model)
+    with forked_generators(model_generators(model), devices):
+        yield
+
+
+@contextlib.contextmanager
+def forked_generators(generators: Sequence[torch.Generator], cuda_devices: Sequence[int] = ()) -> Iterator[None]:
+    """torch's CPU generator, those of ``cuda_devices`` and each of ``generators`` restored afterwards."""
     states = [generator.get_state() for generator in generators]
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=cuda_devices):
             yield
     finally:
         for generator, state in zip(generators, states):
