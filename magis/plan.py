@@ -49,12 +49,12 @@ from magis.backend.compiled import CompiledSegment, Trial, compiled_segments
 from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
 from magis.backend.runtime import RUNTIMES, ModuleInputs, ModuleTensors, Runtime, StepRunner, run_program
-from magis.backend.verify import Verification, forked_generators
+from magis.backend.verify import Verification
 from magis.cost.latency import CostModel, cost_model, estimate_latency
 from magis.cost.memory import simulate_memory
 from magis.cost.op_keys import NodeStrides, replay_strides
 from magis.cost.op_timing import random_tensor, time_calls, time_in_turns
-from magis.frontend.capture import same_generator_named
+from magis.frontend.capture import forked_generators, same_generator_named
 from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off
 from magis.frontend.grad_seed import seeded
 from magis.frontend.optimizer import (
@@ -66,7 +66,7 @@ from magis.frontend.optimizer import (
     unplanned_reason,
 )
 from magis.frontend.step import BatchSpec, StepOutput, user_model
-from magis.ir.graph import Graph, Role
+from magis.ir.graph import Graph
 from magis.plan_file import read_plan_file, write_plan_file
 from magis.search.m_optimizer import Objective, SearchResult
 
@@ -234,15 +234,11 @@ class Plan:
         walk of every module (the 95 of a tiny ResNet-50 took 0.25 ms a call to walk, on a CPU)."""
         return ModuleTensors(self.model, [(name, "_parameters") for name in self.graph.signature.gradients])
 
-    @cached_property
-    def _generators(self) -> tuple[torch.Generator, ...]:
-        return graph_generators(self.graph)
-
     def _check_generators(self) -> None:
         """A ``ValueError`` where a generator the graph draws from is no longer the model's: a
         module's generator replaced since ``optimize`` (``self.generator = torch.Generator()``),
         whose new stream eager draws from and the graph would not."""
-        for generator in self._generators:
+        for generator in self.graph.generators:
             if same_generator_named(generator, self.model) is None:
                 raise ValueError(
                     "the plan draws from a torch.Generator the model no longer holds (a module's generator "
@@ -453,7 +449,7 @@ def generated_step(program: Program, compile: bool = False, timed_on: torch.devi
     # devices' and any module's own the step draws from) are left as they were, so the step's
     # draws (dropout) at the call that made the trials are eager's
     cuda = [timed_on.index or 0] if timed_on.type == "cuda" else []
-    with forked_generators(graph_generators(program.graph), cuda):
+    with forked_generators(program.graph.generators, cuda):
         step = generate(program, segments=segments)
         return _faster_whole(step, generate(program), step_strides, timed_on) if step.segments else step
 
@@ -487,12 +483,6 @@ def _faster_whole(
     timed = time_in_turns([partial(run, [env]) for run in runs], device, WHOLE_TRIAL_ROUNDS, WHOLE_TRIAL_SECONDS)
     trial = Trial.metered(*runs, [env], *timed.seconds, *timed.ratio(0, 1))
     return replace(compiled if trial.compiled_wins else plain, whole_trial=trial)
-
-
-def graph_generators(graph: Graph) -> tuple[torch.Generator, ...]:
-    """The generators ``graph`` draws from (a module's own, or torch's default passed by hand), each once."""
-    found = (n.target.value for n in graph.nodes if n.role is Role.CONSTANT)
-    return tuple({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
 
 
 def _random_inputs(

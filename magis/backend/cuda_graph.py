@@ -40,6 +40,7 @@ import torch
 
 from magis.backend.codegen import GeneratedStep
 from magis.backend.transfer import TransferStreams
+from magis.frontend.capture import forked_generators
 
 #: uncaptured runs on a side stream before the capture: lazily initialised libraries (cuBLAS
 #: workspaces, Inductor's compiled segments) must not initialise inside the capture
@@ -108,7 +109,10 @@ class CudaGraphStep:
         streams = TransferStreams(device, host_buffers={}) if self.step.program.swaps else None
         side = torch.cuda.Stream(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.random.fork_rng(devices=[device]), torch.no_grad():  # generators as they were
+        # the warm-up and the capture draw as a step does: every generator the step draws from is
+        # left as it was (a module's own too), so the first call's draws are eager's
+        generators = forked_generators(self.step.program.graph.generators, [device.index or 0])
+        with generators, torch.no_grad():
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):

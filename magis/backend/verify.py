@@ -37,7 +37,7 @@ from magis.backend.eager import (
 )
 from magis.backend.meter import peak_meter
 from magis.backend.runtime import Runtime, StepResult, StepRunner, run_step
-from magis.frontend.capture import capture, capture_forward, model_generators
+from magis.frontend.capture import capture, capture_forward, forked_generators, model_generators
 from magis.frontend.conditions import autocast_off, autocast_state
 from magis.frontend.fx_graph import draws_random_numbers
 from magis.frontend.step import BatchSpec, CaptureError, UserStep, as_batch
@@ -495,15 +495,3 @@ def forked_rng(model: torch.nn.Module) -> Iterator[None]:
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with forked_generators(model_generators(model), devices):
         yield
-
-
-@contextlib.contextmanager
-def forked_generators(generators: Sequence[torch.Generator], cuda_devices: Sequence[int] = ()) -> Iterator[None]:
-    """torch's CPU generator, those of ``cuda_devices`` and each of ``generators`` restored afterwards."""
-    states = [generator.get_state() for generator in generators]
-    try:
-        with torch.random.fork_rng(devices=cuda_devices):
-            yield
-    finally:
-        for generator, state in zip(generators, states):
-            generator.set_state(state)

@@ -419,6 +419,18 @@ def model_generators(model: torch.nn.Module) -> list[torch.Generator]:
     return list(dict(named_generators(model)).values())
 
 
+@contextlib.contextmanager
+def forked_generators(generators: Sequence[torch.Generator], cuda_devices: Sequence[int] = ()) -> Iterator[None]:
+    """torch's CPU generator, those of ``cuda_devices`` and each of ``generators`` restored afterwards."""
+    states = [generator.get_state() for generator in generators]
+    try:
+        with torch.random.fork_rng(devices=cuda_devices):
+            yield
+    finally:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
+
 def named_generators(model: torch.nn.Module) -> list[tuple[str, torch.Generator]]:
     """:func:`model_generators` each under its first name (``"encoder.noise.generator"``), as a
     plan file names the generator its graph draws from."""

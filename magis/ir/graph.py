@@ -357,6 +357,12 @@ class Graph:
         return tuple(n.name for n in self.nodes if n.is_input)
 
     @cached_property
+    def generators(self) -> tuple[torch.Generator, ...]:
+        """The generators the graph draws from (a module's own, or torch's default passed by hand), each once."""
+        found = (n.target.value for n in self.nodes if n.role is Role.CONSTANT)
+        return tuple({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
+
+    @cached_property
     def storages(self) -> dict[str, tuple[tuple[str, int] | None, ...]]:
         """For every node, the storage each output element lives in: ``(owner, element)``.
 
