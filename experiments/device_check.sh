@@ -39,6 +39,7 @@ done
 wait
 cat /tmp/search_*.log > "$OUT/search.log"
 echo "== measure at $(elapsed) s"
-timeout $(( BUDGET - $(elapsed) )) python3 experiments/plan_run.py --models ${MODELS// /,} $COMMON \
+LEFT=$(( BUDGET - $(elapsed) )); [ $LEFT -lt 60 ] && LEFT=60
+timeout $LEFT python3 experiments/plan_run.py --models ${MODELS// /,} $COMMON \
   --out "$OUT/plan_run_small.json" 2>&1 | grep -v Warning | cut -c1-400 | tail -40
 echo "all done at $(elapsed) s"
