@@ -45,7 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from magis.backend.codegen import GeneratedStep, generate
-from magis.backend.compiled import CompiledSegment, Trial, compiled_segments
+from magis.backend.compiled import STEP_SCRATCH_SHARE, CompiledSegment, Trial, compiled_segments
 from magis.backend.cuda_graph import CudaGraphStep
 from magis.backend.program import Program, lower
 from magis.backend.runtime import RUNTIMES, ModuleInputs, ModuleTensors, Runtime, StepRunner, run_program
@@ -458,7 +458,8 @@ def _faster_whole(
     compiled: GeneratedStep, plain: GeneratedStep, strides: dict[str, NodeStrides], device: torch.device
 ) -> GeneratedStep:
     """``compiled`` if it runs faster whole than ``plain`` (the same program without compiled
-    segments) and holds no more memory, else ``plain``; either carries the trial
+    segments) and holds no more memory (but :data:`~magis.backend.compiled.STEP_SCRATCH_SHARE`
+    of its peak, its kernels' scratch), else ``plain``; either carries the trial
     (:class:`~magis.backend.compiled.Trial`) as its ``whole_trial``; ``strides`` lays out the
     step's values as it lays them out (:func:`~magis.cost.op_keys.replay_strides`, every op).
 
@@ -481,7 +482,7 @@ def _faster_whole(
     for run in runs:
         run([env])  # warm-up: a compiled segment's code loads on its first call in a step
     timed = time_in_turns([partial(run, [env]) for run in runs], device, WHOLE_TRIAL_ROUNDS, WHOLE_TRIAL_SECONDS)
-    trial = Trial.metered(*runs, [env], *timed.seconds, *timed.ratio(0, 1))
+    trial = Trial.metered(*runs, [env], *timed.seconds, *timed.ratio(0, 1), scratch_share=STEP_SCRATCH_SHARE)
     return replace(compiled if trial.compiled_wins else plain, whole_trial=trial)
 
 

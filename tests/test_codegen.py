@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pytest
@@ -21,7 +22,14 @@ import magis.plan as plan_module
 from magis.analysis.ftrans import FTrans
 from magis.analysis.ftree import build_ftree, next_divisor
 from magis.backend.codegen import GeneratedStep, generate
-from magis.backend.compiled import KERNEL_SCRATCH, PEAK_SHARE, CompiledSegment, Trial, compiled_segments
+from magis.backend.compiled import (
+    KERNEL_SCRATCH,
+    PEAK_SHARE,
+    STEP_SCRATCH_SHARE,
+    CompiledSegment,
+    Trial,
+    compiled_segments,
+)
 from magis.backend.eager import (
     GRADIENT_TOLERANCE,
     buffers_snapshot,
@@ -229,8 +237,21 @@ def test_every_tiny_workload_plan_runs_like_eager_in_every_runtime(name):
         # generated code runs eager's kernels, compiled ones fuse them and round otherwise
         tolerance = 1e-9 if runtime != "compiled" else GRADIENT_TOLERANCE[torch.float64]
         assert comparison.same_names and comparison.max_error < tolerance, (runtime, comparison)
-        assert meter.peak_bytes <= 1.02 * plan.peak_bytes, (runtime, meter.peak_bytes, plan.peak_bytes)
+        if runtime != "compiled":
+            assert meter.peak_bytes <= 1.02 * plan.peak_bytes, (runtime, meter.peak_bytes, plan.peak_bytes)
     assert plan.report().runtime["fallbacks"] == []
+    # compiled code allocates below the dispatcher, where live tensors miss its buffers: its peak
+    # is the allocator's, beside the generated code's counted so (the simulated peak plus eager
+    # kernels' own scratch: tiny U-Net's +31%, where a compiled step's live tensors may peak higher)
+    allocated = {}
+    for runtime in ("generated", "compiled"):
+        plan.runtime = runtime
+        restore_buffers(model, snapshot)
+        model.zero_grad(set_to_none=True)
+        with peak_meter(model, batch, compiled=True) as meter:
+            plan(*batch)
+        allocated[runtime] = meter.peak_bytes
+    assert allocated["compiled"] <= allocated["generated"] + 0.02 * plan.peak_bytes, (allocated, plan.peak_bytes)
     model.zero_grad(set_to_none=True)
 
 
@@ -498,6 +519,28 @@ def test_a_whole_step_trial_meters_the_allocator_of_the_device_its_inputs_live_o
 
     trial = Trial.metered(step, step, [env], 1.0, 2.0)
     assert trial.compiled_peak >= 2**20 and trial.ops_peak >= 2**20
+
+
+def test_a_whole_steps_trial_allows_its_kernels_scratch_only_as_a_share_of_its_peak():
+    """Tiny U-Net's plan at 0.8 with its seven segments compiled allocated 32 KiB above its
+    generated code (1.7% of its peak): within :data:`KERNEL_SCRATCH`, so the whole step was kept
+    and measured over its plan's peak. A whole step's scratch is a share of its peak."""
+    env = {"x": torch.randn(256, 256, dtype=torch.float64)}  # its product: 512 KiB
+
+    def ops(args: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return (args[0]["x"] @ args[0]["x"]).sum()
+
+    def holding(extra_bytes: int) -> Callable[[list[dict[str, torch.Tensor]]], torch.Tensor]:
+        def compiled(args: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+            product, scratch = args[0]["x"] @ args[0]["x"], torch.empty(extra_bytes, dtype=torch.uint8)
+            return product.sum() + 0 * scratch[:1].sum()
+
+        return compiled
+
+    for extra, kept in ((2**10, True), (24 * 2**10, False)):  # 0.2% and 4.7% of the product
+        trial = Trial.metered(holding(extra), ops, [env], 1.0, 2.0, scratch_share=STEP_SCRATCH_SHARE)
+        assert trial.compiled_wins == kept, (extra, trial)
+        assert Trial.metered(holding(extra), ops, [env], 1.0, 2.0).compiled_wins  # a segment's allowance
 
 
 def test_a_trial_keeps_the_compiled_segment_only_where_it_wins_on_time_and_memory():
