@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 import sys
 import time
@@ -29,7 +30,13 @@ from magis.cost.memory import MemoryProfile, simulate_memory
 from magis.cost.op_timing import StepsTimed, time_in_turns
 from magis.cost.workspace import measure_workspaces, with_workspaces
 from magis.frontend.capture import capture_forward, capture_timed
-from magis.frontend.conditions import Conditions, refuse_gradient_hooks, warn_if_evaluating, warn_of_hooks
+from magis.frontend.conditions import (
+    Conditions,
+    refuse_gradient_hooks,
+    refuse_gradients_off,
+    warn_if_evaluating,
+    warn_of_hooks,
+)
 from magis.frontend.grad_seed import with_grad_seed
 from magis.frontend.optimizer import unplanned_reason, with_optimizer
 from magis.frontend.step import BatchSpec, LossFn, TrainingStep, UserStep, as_batch, user_model
@@ -283,6 +290,8 @@ def optimize(
     spec = BatchSpec.of(batch)
     if inference:
         check_inference_options(loss_fn, training_step, optimizer, max_grad_norm)
+    else:
+        refuse_gradients_off()
     _check_optimizer(model, optimizer, max_grad_norm)
     if latency_limit is not None and (
         isinstance(latency_limit, bool) or not isinstance(latency_limit, (int, float)) or not latency_limit >= 1.0
@@ -503,6 +512,13 @@ def _check_optimizer(model: torch.nn.Module, optimizer: Any, max_grad_norm: floa
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{type(optimizer).__name__}.step needs a closure that evaluates the loss again (a line search), "
+            "and a plan runs one forward and backward per update: optimize without optimizer= and step it "
+            "with the plan as its closure (def closure(): optimizer.zero_grad(); return plan(*batch))"
+        )
     ours = {id(p) for p in model.parameters()}
     if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
         raise ValueError("the optimizer holds parameters that are not the model's: pass the model it trains")

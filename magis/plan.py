@@ -55,7 +55,7 @@ from magis.cost.memory import simulate_memory
 from magis.cost.op_keys import NodeStrides, replay_strides
 from magis.cost.op_timing import random_tensor, time_calls, time_in_turns
 from magis.frontend.capture import forked_generators, same_generator_named
-from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off
+from magis.frontend.conditions import Conditions, ConditionsWatch, autocast_off, refuse_gradients_off
 from magis.frontend.grad_seed import seeded
 from magis.frontend.optimizer import (
     GradientNorm,
@@ -199,6 +199,7 @@ class Plan:
         self._check_generators()
         if self.graph.signature.inference:
             return self._infer(inputs, grad_scale)
+        refuse_gradients_off()
         self.batch.refuse_gradients(given)
         if self.optimizer is not None:
             _check_whole_step(self.model, self.optimizer, grad_scale)

@@ -37,7 +37,7 @@ from magis.backend.runtime import DivisorError
 from magis.backend.verify import forked_rng
 from magis.cost.timing_cache import default_cache_path
 from magis.frontend.capture import capture, capture_forward
-from magis.frontend.conditions import Conditions, ConditionsWatch
+from magis.frontend.conditions import Conditions, ConditionsWatch, refuse_gradients_off
 from magis.frontend.optimizer import group_layout
 from magis.frontend.step import LossFn, TrainingStep, UserStep, as_batch, user_model
 from magis.ir.graph import Graph
@@ -118,6 +118,8 @@ class PlannedStep:
         optimizer, the parameters updated; ``grad_scale`` as :meth:`Plan.__call__ <magis.plan.Plan.__call__>`
         takes it (a ``GradScaler``). With ``inference``: the model's output."""
         args = _batch(batch)
+        if not self.inference:
+            refuse_gradients_off()  # before a shape not seen yet is captured
         plan = self._plan_of(args)
         try:
             return _run(plan, args, grad_scale)

@@ -311,3 +311,74 @@ def test_a_step_that_keeps_a_tensor_in_a_plain_attribute_is_refused_and_the_attr
     with pytest.raises(CaptureError, match="sets the model's attribute 'attention' to a tensor"):
         magis.optimize(model.eval(), (x,), inference=True, time_budget=1, progress=False)
     assert model.attention is before
+
+
+@pytest.mark.parametrize("gradients_off", [torch.no_grad, torch.inference_mode])
+def test_a_training_step_with_gradients_off_is_refused_and_trains_nothing(gradients_off) -> None:
+    """An evaluation loop under ``torch.no_grad()`` that calls the training plan: eager's
+    ``loss.backward()`` raises there; the plan computed its gradients itself and, with the
+    optimizer inside, updated the weights in the middle of an evaluation."""
+
+    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"training_step": training_step, "latency_limit": 1.5, "time_budget": 1, "progress": False}
+    plan = magis.optimize(model, (x, y), optimizer=optimizer, **options)
+    planned = magis.planned(model, optimizer=optimizer, **options)
+    weights = copy.deepcopy(model.state_dict())
+    with gradients_off():
+        with pytest.raises(RuntimeError, match=r"gradients are off here \(torch.no_grad\(\) or"):
+            plan(x, y)
+        with pytest.raises(RuntimeError, match="gradients are off here"):
+            planned(x, y)  # before its first capture
+        with pytest.raises(RuntimeError, match="gradients are off here"):
+            magis.optimize(model, (x, y), **options)
+        evaluation = magis.optimize(model, (x,), inference=True, time_budget=1, progress=False)
+        assert torch.equal(evaluation(x), model(x))  # an inference plan is what runs there
+    assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        expected = training_step(model, x, y)
+    assert float(plan(x, y)) == pytest.approx(float(expected), rel=1e-6)  # with gradients on, it trains
+    assert all(p.grad is None for p in model.parameters())  # the optimizer inside took its step and cleared them
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_and_steps_a_plan_as_its_closure_like_eager() -> None:
+    """L-BFGS evaluates the loss several times per update (its line search calls a closure):
+    inside a plan, which runs one forward and backward per update, it failed with L-BFGS's own
+    TypeError. It is refused naming the closure, and the way the message gives works."""
+
+    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3)).double()
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 3, (6,))
+    options = {"training_step": training_step, "latency_limit": 1.5, "time_budget": 1, "progress": False}
+    with pytest.raises(ValueError, match=r"LBFGS\.step needs a closure"):
+        magis.optimize(model, (x, y), optimizer=torch.optim.LBFGS(model.parameters()), **options)
+    plan = magis.optimize(model, (x, y), **options)
+    optimizer, eager = (
+        torch.optim.LBFGS(model.parameters(), max_iter=4),
+        torch.optim.LBFGS(twin.parameters(), max_iter=4),
+    )
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        return plan(x, y)
+
+    def eager_closure() -> torch.Tensor:
+        eager.zero_grad()
+        loss = training_step(twin, x, y)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        assert float(optimizer.step(closure)) == pytest.approx(float(eager.step(eager_closure)), rel=1e-12)
+    for ours, theirs in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)

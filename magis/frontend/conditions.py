@@ -650,6 +650,20 @@ def refuse_gradient_hooks(model: torch.nn.Module) -> None:
             )
 
 
+def refuse_gradients_off() -> None:
+    """A ``RuntimeError`` where gradients are off (``torch.no_grad()``, ``torch.inference_mode()``):
+    a training step computes them (and a plan with the optimizer inside takes its update), where
+    eager's ``loss.backward()`` would refuse to; a plan, which computes them itself, would train
+    silently inside a user's evaluation loop."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "gradients are off here (torch.no_grad() or torch.inference_mode()), where eager's loss.backward() "
+            "refuses to run: a training step computes gradients (and, with the optimizer inside, updates the "
+            "weights); call it with gradients on, or, to evaluate, call the model or plan its forward with "
+            "inference=True"
+        )
+
+
 def warn_of_hooks(model: torch.nn.Module) -> None:
     """A hook is traced into the step: what it computes on tensors, a plan computes at every
     call; anything else it does (appending an activation to a list, logging, counting calls)
