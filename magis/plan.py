@@ -341,7 +341,7 @@ class Plan:
         (``fallbacks``: its first op and why; it runs its ops as they are), and, timed, the
         ``whole_step``: its median seconds compiled and as generated code, the mean ``ratio`` of
         the two over paired rounds and its standard error (``ratio_error``), and whether it
-        ``kept_compiled`` (else no segment is compiled)."""
+        ``kept_compiled`` (else no segment is compiled, and ``why_not_kept`` says why)."""
         summary: dict[str, Any] = {"name": self.runtime}
         if self.runtime == "compiled":
             segments = self.compiled.segments
@@ -359,6 +359,7 @@ class Plan:
                     "ratio": whole.ratio,
                     "ratio_error": whole.ratio_error if math.isfinite(whole.ratio_error) else None,
                     "kept_compiled": whole.compiled_wins,
+                    "why_not_kept": whole.why_not_compiled,
                 }
         replayed = self._replayed.get(self.runtime)
         if replayed is not None:

@@ -470,6 +470,7 @@ def test_a_compiled_plan_with_the_optimizer_inside_times_its_whole_step_and_trai
     assert runtime["whole_step"]["compiled_s"] == 1.0 and runtime["whole_step"]["generated_s"] == 2.0
     assert runtime["whole_step"]["ratio"] == 0.5 and runtime["whole_step"]["ratio_error"] == 0.0
     assert runtime["whole_step"]["kept_compiled"] == (runtime["segments"] > 0)
+    assert (runtime["whole_step"]["why_not_kept"] is None) == runtime["whole_step"]["kept_compiled"]
 
 
 def test_the_trials_of_a_timed_compiled_plan_leave_the_callers_random_stream_to_its_dropout(
@@ -555,3 +556,10 @@ def test_a_trial_keeps_the_compiled_segment_only_where_it_wins_on_time_and_memor
     # timed in paired rounds (a whole step): faster by more than the rounds' standard error
     assert replace(faster, compiled_s=3.0, ratio=0.95, ratio_error=0.02).compiled_wins
     assert not replace(faster, ratio=0.99, ratio_error=0.02).compiled_wins
+    # and says why it lost, the first reason
+    assert faster.why_not_compiled is None
+    assert "not faster" in replace(faster, compiled_s=2.0).why_not_compiled
+    assert "not clearly faster (0.990 +- 0.020" in replace(faster, ratio=0.99, ratio_error=0.02).why_not_compiled
+    assert "allocates 65537 bytes more" in replace(faster, compiled_peak=11 + KERNEL_SCRATCH).why_not_compiled
+    assert "hold 1 bytes more" in replace(faster, compiled_held=6).why_not_compiled
+    assert "other layouts" in replace(faster, same_layouts=False, compiled_s=2.0).why_not_compiled

@@ -119,13 +119,24 @@ class Trial:
         """Faster compiled (timed in rounds: by more than the rounds' standard error), holding
         no more memory while it runs (but its :attr:`scratch`) nor after, its results laid
         out as the ops lay them out."""
-        faster = self.compiled_s < self.ops_s if self.ratio is None else self.ratio + self.ratio_error < 1
-        return (
-            self.same_layouts
-            and faster
-            and self.compiled_peak <= self.ops_peak + self.scratch
-            and self.compiled_held <= self.ops_held
-        )
+        return self.why_not_compiled is None
+
+    @property
+    def why_not_compiled(self) -> str | None:
+        """Why the ops run as they are (the first of :attr:`compiled_wins`' conditions that
+        fails, in words), or None where the compiled code wins."""
+        if not self.same_layouts:
+            return "its results come out in other layouts than its ops give them"
+        if self.ratio is None and self.compiled_s >= self.ops_s:
+            return f"not faster ({self.compiled_s:.3g} s compiled, {self.ops_s:.3g} s as its ops)"
+        if self.ratio is not None and self.ratio + self.ratio_error >= 1:
+            return f"not clearly faster ({self.ratio:.3f} +- {self.ratio_error:.3f} of its time as its ops)"
+        if self.compiled_peak > self.ops_peak + self.scratch:
+            more = self.compiled_peak - self.ops_peak
+            return f"it allocates {more} bytes more than its ops at its peak ({self.scratch} allowed)"
+        if self.compiled_held > self.ops_held:
+            return f"its results hold {self.compiled_held - self.ops_held} bytes more than its ops' results"
+        return None
 
     @staticmethod
     def of(
