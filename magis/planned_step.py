@@ -206,8 +206,8 @@ def signature(
 ) -> tuple:
     """What a plan is made for beyond the model's code: the batch's structure and its tensors'
     shapes, dtypes and devices (other values as they are), every submodule's mode, class,
-    settings and hooks, which parameters are trainable and the autocast state
-    (:class:`~magis.frontend.conditions.Conditions`), and the optimizer's type and param
+    settings and hooks, which parameters are trainable, the autocast state and the default
+    dtype (:class:`~magis.frontend.conditions.Conditions`), and the optimizer's type and param
     groups (:func:`~magis.frontend.optimizer.group_layout`: a group added is another plan).
     A caller that asks at every call passes its ``watch``; an inference step's has no
     ``gradients`` (which parameters are trainable does not matter)."""

@@ -382,3 +382,49 @@ def test_an_optimizer_that_needs_a_closure_is_refused_and_steps_a_plan_as_its_cl
         assert float(optimizer.step(closure)) == pytest.approx(float(eager.step(eager_closure)), rel=1e-12)
     for ours, theirs in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+class _Centred(nn.Module):
+    """A layer that makes a tensor without a dtype: torch's default dtype, traced as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) - torch.full((x.shape[0], 3), 0.1)
+
+
+def test_a_step_called_under_another_default_dtype_is_refused_and_planned_again_by_planned() -> None:
+    """Eager's ``torch.full`` follows ``torch.set_default_dtype`` at each call (here the loss
+    becomes float64); the plan had traced the dtype of its call to optimize."""
+
+    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    model = _Centred()
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    options = {"training_step": training_step, "latency_limit": 1.5, "time_budget": 1, "progress": False}
+    plan = magis.optimize(model, (x, y), **options)
+    planned = magis.planned(model, **options)
+    planned(x, y)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(
+            ValueError, match=r"default dtype is torch\.float64; the plan was made under torch\.float32"
+        ):
+            plan(x, y)
+        model.zero_grad()
+        loss = planned(x, y)  # another plan, made under this default
+        gradients = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        expected = training_step(model, x, y)
+        expected.backward()
+    finally:
+        torch.set_default_dtype(before)
+    assert loss.dtype == expected.dtype == torch.float64 and planned.searches == 2
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    for got, p in zip(gradients, model.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-12, atol=1e-15)

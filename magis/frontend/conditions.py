@@ -1,10 +1,12 @@
-"""What a captured step was made under beyond its batch: the model's modules as they were, and autocast.
+"""What a captured step was made under beyond its batch: the model's modules as they were, autocast
+and torch's default dtype.
 
 A trace records what the model's Python did on that call, not the code: every submodule's
 train/eval mode (dropout and batch norm are traced as in training or evaluation), its
 class and its settings (a Dropout's ``p``, a layer's ``scale``, a transformers layer's
 ``config.scale_decoder_outputs``), the hooks that ran around it, which parameters had
-gradients, and autocast's casts (traced into the graph as ``_to_copy`` ops). A plan runs
+gradients, autocast's casts (traced into the graph as ``_to_copy`` ops) and the dtype of
+every tensor made without one (``torch.zeros(shape)``: the default dtype). A plan runs
 the graph it was made for, so a call after any of them changed (a layer frozen or
 replaced, a dropout rate annealed, a hook added) would silently train another step;
 :meth:`Conditions.check` refuses it, naming what differs
@@ -317,6 +319,9 @@ class Conditions:
     autocast: tuple[tuple[str, torch.dtype | None], ...]
     #: the values the user's step functions read from their globals and closures (:func:`step_values`)
     step: tuple[tuple[str, Any], ...] = ()
+    #: ``torch.get_default_dtype()``: a tensor the step makes without a dtype (``torch.zeros(shape)``)
+    #: is traced in it
+    default_dtype: torch.dtype = torch.float32
 
     @staticmethod
     def of(model: torch.nn.Module, gradients: bool = True, step: Sequence[Callable | None] = ()) -> Conditions:
@@ -324,14 +329,21 @@ class Conditions:
         does not depend on which parameters are trainable) and the user's step functions ``step``."""
         trainable = tuple((n, p.requires_grad, _hooked(p)) for n, p in model.named_parameters()) if gradients else ()
         global_hooks = tuple(_hook_records(getattr(nn_module, attr, {})) for attr in GLOBAL_HOOKS)
-        return Conditions(module_records(model), trainable, global_hooks, autocast_state(), step_values(step))
+        return Conditions(
+            module_records(model),
+            trainable,
+            global_hooks,
+            autocast_state(),
+            step_values(step),
+            torch.get_default_dtype(),
+        )
 
     def check(
         self, model: torch.nn.Module, step: Sequence[Callable | None] = (), watch: ConditionsWatch | None = None
     ) -> None:
         """A ``ValueError`` naming the first thing that differs from what the step was captured
         under: a submodule's mode, class, settings or hooks, a parameter's trainability,
-        torch.nn's global hooks, the autocast state, or a value the step functions ``step``
+        torch.nn's global hooks, the autocast state, the default dtype, or a value the step functions ``step``
         read (not checked without them: a plan read from a file does not know them). A caller
         that checks at every call passes its ``watch`` (:class:`ConditionsWatch`)."""
         gradients = bool(self.trainable)
@@ -358,6 +370,12 @@ class Conditions:
                 return f"torch.nn's {what} are {list(ours)}; the plan was made with {list(then)} (optimize again)"
         if self.step != now.step:
             return _step_difference(self.step, now.step)
+        if self.default_dtype != now.default_dtype:
+            return (
+                f"torch's default dtype is {now.default_dtype}; the plan was made under {self.default_dtype}, "
+                "which the tensors the step makes without a dtype were traced in: call it under that default "
+                "(torch.set_default_dtype), or optimize again"
+            )
         for (device, dtype), (_, recorded) in zip(now.autocast, self.autocast):
             if dtype != recorded:
                 return (
@@ -524,6 +542,7 @@ class ConditionsWatch:
                 and seen_gradients == gradients
                 and watched.glance() == glance
                 and autocast_state() == conditions.autocast
+                and torch.get_default_dtype() == conditions.default_dtype
                 and values == seen_values
             ):
                 return conditions
