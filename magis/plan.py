@@ -505,12 +505,10 @@ def _random_inputs(
     return values
 
 
-#: what a plan file holds: every field but the model and optimizer (the caller's), the cost model (made
-#: anew) and the runtime (how this process runs it)
+#: what a plan file holds: every field but the model, optimizer and step functions (the caller's) and
+#: the cost model (made anew); its runtime too: a plan searched for ``compile=True`` was priced compiled
 _SAVED_FIELDS = tuple(
-    f.name
-    for f in fields(Plan)
-    if f.name not in ("model", "cost_model", "optimizer", "runtime", "cuda_graphs", "timed", "step_functions")
+    f.name for f in fields(Plan) if f.name not in ("model", "cost_model", "optimizer", "step_functions")
 )
 
 
@@ -518,7 +516,8 @@ def load_plan(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
     """The plan :meth:`Plan.save` wrote to ``path``, run on ``model``, which must have the
     parameters and buffers it was made for (names, shapes, dtypes, which are trainable) under
     the same magis and torch: otherwise a ``ValueError`` names the first difference. A plan
-    made with ``optimizer=`` needs an optimizer of the same kind and param groups."""
+    made with ``optimizer=`` needs an optimizer of the same kind and param groups. It runs as
+    it was saved (``runtime``, ``cuda_graphs``, ``timed``)."""
     model = user_model(model)
     saved = read_plan_file(path, model)
     if set(saved) != set(_SAVED_FIELDS):

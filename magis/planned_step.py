@@ -157,7 +157,7 @@ class PlannedStep:
             except ValueError as err:
                 warnings.warn(f"magis: planning again, {err}", stacklevel=3)
             else:
-                self.loaded += 1  # a plan file holds no runtime: it runs as this step's options say
+                self.loaded += 1  # it runs as this step's options say (those it was saved with, in its file's key)
                 plan.runtime = "compiled" if self.options.get("compile") else "generated"
                 plan.cuda_graphs = self.options.get("cuda_graphs", True)
                 return plan

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,6 +65,20 @@ def test_a_loaded_plan_trains_exactly_as_the_saved_one(saved):
     loss, grads = step(loaded, plan.model, x)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+
+
+def test_a_plan_loads_in_the_runtime_it_was_saved_in(saved, tmp_path):
+    """A plan of ``optimize(compile=True)`` was priced compiled: loaded, it ran as generated code."""
+    plan, x, _ = saved
+    compiled = replace(plan, runtime="compiled", timed=False, cuda_graphs=False)
+    loaded = magis.load_plan(compiled.save(tmp_path / "compiled.plan"), plan.model)
+    assert (loaded.runtime, loaded.timed, loaded.cuda_graphs) == ("compiled", False, False)
+    loss, grads = step(loaded, plan.model, x)
+    expected_loss, expected_grads = step(plan, plan.model, x)
+    assert loaded.report().runtime["segments"] > 0
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-9, atol=0)
+    for got, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-12)
 
 
 def test_a_loaded_plan_runs_on_a_copy_of_the_model_and_the_file_holds_no_weights(saved, tmp_path):
