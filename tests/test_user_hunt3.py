@@ -428,3 +428,33 @@ def test_a_step_called_under_another_default_dtype_is_refused_and_planned_again_
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
     for got, p in zip(gradients, model.parameters()):
         torch.testing.assert_close(got, p.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_a_submodule_or_a_step_the_user_compiled_is_planned_as_its_python_and_trains_like_eager() -> None:
+    """``model.block = torch.compile(block)``, or ``training_step=torch.compile(step)``: Inductor
+    ran inside the capture's trace and failed (``BackendCompilerFailed``, nothing named). The
+    trace now runs compiled code as written; the plan runs its own graph."""
+
+    def training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    twin = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 3)).double()
+    model = copy.deepcopy(twin)
+    model[0] = torch.compile(model[0])
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 3, (6,))
+    optimizer, eager = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin))
+    plan = magis.optimize(
+        model, (x, y), training_step=torch.compile(training_step), latency_limit=1.5, time_budget=1, progress=False
+    )
+    for _ in range(3):
+        loss = plan(x, y)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = training_step(twin, x, y)
+        expected.backward()
+        eager.step()
+        eager.zero_grad()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    for ours, theirs in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)

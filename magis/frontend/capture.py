@@ -543,6 +543,7 @@ def _tracing(model: torch.nn.Module, example_inputs: Sequence[Any]) -> Iterator[
         _no_python_random_draws(),
         _without_stack_traces(),
         traced_as_by_compile(),
+        _compiled_code_as_written(),
         ExactRNNs(model),  # nn.LSTM/GRU/RNN as eager runs them, inter-layer dropout included
         FusedAttentionMasks() if _on_cuda(model) else contextlib.nullcontext(),
         planning_mode(model, example_inputs) as inputs,
@@ -715,6 +716,16 @@ def traced_as_by_compile() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = before
+
+
+def _compiled_code_as_written() -> contextlib.AbstractContextManager[None]:
+    """Code the user compiled (``torch.compile`` of a submodule, or of the training step) runs
+    its Python while the step is traced: the trace records its ops, as it records the whole
+    step's, where TorchDynamo inside the trace failed (``BackendCompilerFailed``). A plan
+    compiles its own segments (``optimize(compile=True)``). ``torch.compiler.set_stance``
+    came with torch 2.6; before it, compiled code inside the step is not captured."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return contextlib.nullcontext() if set_stance is None else set_stance("force_eager")
 
 
 class FusedAttentionMasks(torch.overrides.TorchFunctionMode):
